@@ -1,0 +1,45 @@
+// CudaBackend: CUDA virtual memory management (cuMemAddressReserve / cuMemCreate / cuMemMap /
+// cuMemSetAccess / cuMemUnmap / cuMemRelease) on one device, in the device's primary context (the one
+// PyTorch uses). Handles survive unmap, so the page pool can reuse them without cuMemCreate.
+#pragma once
+
+#include <cuda.h>
+
+#include "backend/memory_backend.h"
+
+namespace kvcached {
+
+class CudaBackend final : public MemoryBackend {
+ public:
+  // Throws InvalidArgument for a device index out of range, BackendError when the device cannot do VMM.
+  explicit CudaBackend(int device_index);
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda"; }
+  DeviceKind device_kind() const override { return DeviceKind::kCuda; }
+  int device_index() const override { return index_; }
+  std::size_t granularity() const override { return granularity_; }
+
+  std::uintptr_t reserve(std::size_t bytes) override;
+  void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override;
+  std::optional<PhysHandle> create(std::size_t bytes) override;
+  void map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle) override;
+  void unmap(std::uintptr_t addr, std::size_t bytes) override;
+  void release(PhysHandle handle, std::size_t bytes) noexcept override;
+  bool handle_survives_unmap() const override { return true; }
+  void fence() override;
+  void zero(std::uintptr_t addr, std::size_t bytes) override;
+  MemInfo mem_info() override;
+
+ private:
+  void make_current() const;
+
+  int index_;
+  CUdevice device_ = 0;
+  CUcontext context_ = nullptr;
+  std::size_t granularity_ = 0;
+  CUmemAllocationProp prop_{};
+  CUmemAccessDesc access_{};
+};
+
+}  // namespace kvcached

@@ -1,0 +1,50 @@
+// HostBudget: a bounded "host device" shared by every process on the machine that uses the same ledger
+// file, so CPU-only engines share one host-memory budget the way GPU engines share one device.
+//
+// The ledger is a small owner-only file of per-process slots (pid, start time, bytes held). A charge sums
+// the slots of live processes under an exclusive file lock; slots of dead processes (SIGKILLed owners
+// included) count as zero and are reclaimed, so a crash never leaks budget.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace kvcached {
+
+class HostBudget {
+ public:
+  // Opens (creating if needed) the ledger at `path` and claims a slot for this process.
+  // `capacity_bytes` is this process's view of the device size. Throws BackendError.
+  HostBudget(const std::string& path, std::size_t capacity_bytes);
+  ~HostBudget();
+  HostBudget(const HostBudget&) = delete;
+  HostBudget& operator=(const HostBudget&) = delete;
+
+  // Takes `bytes` from the budget; false when live processes already hold too much.
+  bool try_charge(std::size_t bytes);
+  void uncharge(std::size_t bytes) noexcept;
+
+  std::size_t capacity() const noexcept { return capacity_; }
+  // Bytes held by all live processes (takes the file lock; not for the hot path).
+  std::size_t used_total();
+
+ private:
+  struct Slot;
+  struct Ledger;
+  std::size_t live_total_locked();
+
+  std::string path_;
+  std::size_t capacity_;
+  int fd_ = -1;
+  Ledger* ledger_ = nullptr;
+  Slot* mine_ = nullptr;
+};
+
+// Start time of process `pid` in clock ticks since boot (field 22 of /proc/PID/stat); 0 if unknown.
+std::uint64_t process_start_time(int pid);
+// True when `pid` runs and started at `start_time` (so a reused pid is not mistaken for its old owner).
+bool process_alive(int pid, std::uint64_t start_time);
+
+}  // namespace kvcached

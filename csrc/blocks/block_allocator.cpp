@@ -1,0 +1,503 @@
+#include "blocks/block_allocator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+
+#include "common/errors.h"
+
+namespace kvcached {
+
+namespace {
+constexpr std::size_t kDefaultPageBytes = 2u << 20;
+
+std::size_t round_up(std::size_t value, std::size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Relaxed add for counters that only the lock holder writes.
+template <typename T>
+void bump(std::atomic<T>& counter, T delta) {
+  counter.store(counter.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
+}
+}  // namespace
+
+Reservation::Reservation(std::shared_ptr<MemoryBackend> backend, std::size_t bytes)
+    : backend_(std::move(backend)), base_(backend_->reserve(bytes)), bytes_(bytes) {}
+
+Reservation::~Reservation() { backend_->free_reservation(base_, bytes_); }
+
+BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const AllocatorConfig& config)
+    : backend_(std::move(backend)), config_(config) {
+  const auto& c = config_;
+  if (c.num_blocks <= 0 || c.num_blocks > std::numeric_limits<std::int32_t>::max())
+    throw InvalidArgument("num_blocks must be between 1 and 2^31-1, got " + std::to_string(c.num_blocks));
+  if (c.block_bytes <= 0) throw InvalidArgument("block_bytes must be positive, got " + std::to_string(c.block_bytes));
+  if (c.num_buffers <= 0) throw InvalidArgument("num_layers * num_kv_buffers must be positive, got " + std::to_string(c.num_buffers));
+  if (c.reserved_pages < 0 || c.reclaim_delay_ms < 0 || c.pool_target < 0 || c.pool_max < 0)
+    throw InvalidArgument("reserved_pages, reclaim_delay_ms, pool_target and pool_max must not be negative");
+
+  const std::size_t gran = backend_->granularity();
+  const auto block = static_cast<std::size_t>(c.block_bytes);
+  if (c.page_bytes == 0) {
+    page_bytes_ = round_up(std::max(kDefaultPageBytes, block), gran);
+  } else {
+    page_bytes_ = static_cast<std::size_t>(c.page_bytes);
+    if (c.page_bytes < 0 || page_bytes_ % gran != 0)
+      throw InvalidArgument("page_bytes must be a positive multiple of the " + backend_->name() + " granularity (" +
+                            std::to_string(gran) + " bytes), got " + std::to_string(c.page_bytes));
+    if (block > page_bytes_)
+      throw InvalidArgument("a block of " + std::to_string(block) + " bytes does not fit in a page of " +
+                            std::to_string(page_bytes_) + " bytes: set page_bytes to at least " +
+                            std::to_string(round_up(block, gran)) + " (or 0 to choose automatically)");
+  }
+
+  const std::size_t data_bytes = static_cast<std::size_t>(c.num_blocks) * block;
+  buffer_stride_ = round_up(data_bytes, page_bytes_);
+  const std::size_t num_pages = buffer_stride_ / page_bytes_;
+  if (num_pages > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+    throw InvalidArgument("too many pages: raise page_bytes");
+
+  pages_.resize(num_pages);
+  block_page_.assign(static_cast<std::size_t>(c.num_blocks), -1);
+  allocated_.assign(static_cast<std::size_t>(c.num_blocks), 0);
+  handles_.assign(num_pages * static_cast<std::size_t>(c.num_buffers), 0);
+  min_capacity_ = std::numeric_limits<std::int32_t>::max();
+  for (std::size_t p = 0; p < num_pages; ++p) {
+    Page& page = pages_[p];
+    const std::size_t first = (p * page_bytes_ + block - 1) / block;
+    const std::size_t end = std::min(((p + 1) * page_bytes_) / block, static_cast<std::size_t>(c.num_blocks));
+    page.first_block = static_cast<std::int32_t>(first);
+    page.capacity = end > first ? static_cast<std::int32_t>(end - first) : 0;
+    for (std::int32_t i = page.capacity - 1; i >= 0; --i) {
+      page.free_blocks.push_back(page.first_block + i);
+      block_page_[static_cast<std::size_t>(page.first_block + i)] = static_cast<std::int32_t>(p);
+    }
+    total_blocks_ += page.capacity;
+    if (page.capacity > 0) min_capacity_ = std::min(min_capacity_, page.capacity);
+  }
+  for (std::size_t p = num_pages; p-- > 0;) {
+    if (pages_[p].capacity > 0) unmapped_.push_back(static_cast<std::int32_t>(p));
+  }
+  unmapped_pages_.store(static_cast<std::int64_t>(unmapped_.size()));
+
+  reservation_ = std::make_shared<Reservation>(backend_, buffer_stride_ * static_cast<std::size_t>(c.num_buffers));
+  PagePoolConfig pool_config;
+  pool_config.handle_bytes = page_bytes_;
+  pool_config.target = static_cast<std::size_t>(c.pool_target);
+  pool_config.max_pooled = static_cast<std::size_t>(c.pool_max);
+  pool_ = std::make_unique<PagePool>(backend_, pool_config);
+
+  if (c.reserve_null_block) {
+    if (block_page_[0] < 0) throw InvalidArgument("block 0 straddles a page; cannot reserve it");
+    std::lock_guard<std::mutex> lock(mu_);
+    if (map_next_page() != MapResult::kMapped) {
+      pool_->shutdown();
+      throw BackendError("no physical memory for the page of the reserved null block", -1);
+    }
+    std::vector<std::int32_t> null_block;
+    take_from_page(0, 1, null_block);  // pages map lowest first: this is page 0, block 0
+    --total_blocks_;
+  }
+  reclaimer_ = std::thread([this] { reclaimer_loop(); });
+}
+
+BlockAllocator::~BlockAllocator() { close(); }
+
+std::uintptr_t BlockAllocator::buffer_address(std::int64_t buffer) const {
+  if (buffer < 0 || buffer >= config_.num_buffers)
+    throw InvalidArgument("buffer index " + std::to_string(buffer) + " out of range [0, " +
+                          std::to_string(config_.num_buffers) + ")");
+  return reservation_->base() + static_cast<std::size_t>(buffer) * buffer_stride_;
+}
+
+void BlockAllocator::check_open() const {
+  if (closed()) throw ClosedError("this KV cache manager is closed");
+}
+
+void BlockAllocator::record_error(const std::string& message) {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  last_error_ = message;
+}
+
+std::string BlockAllocator::last_error() const {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  return last_error_;
+}
+
+// ---- page lists -------------------------------------------------------------------------------------
+
+void BlockAllocator::list_insert(ListId id, std::int32_t page) {
+  PageList& l = list(id);
+  Page& p = pages_[static_cast<std::size_t>(page)];
+  p.list = id;
+  p.list_pos = static_cast<std::int32_t>(l.items.size());
+  l.items.push_back(page);
+}
+
+void BlockAllocator::list_remove(std::int32_t page) {
+  Page& p = pages_[static_cast<std::size_t>(page)];
+  if (p.list == ListId::kNone) return;
+  PageList& l = list(p.list);
+  const std::int32_t last = l.items.back();
+  l.items[static_cast<std::size_t>(p.list_pos)] = last;
+  pages_[static_cast<std::size_t>(last)].list_pos = p.list_pos;
+  l.items.pop_back();
+  p.list = ListId::kNone;
+  p.list_pos = -1;
+}
+
+// ---- limit ------------------------------------------------------------------------------------------
+
+std::int64_t BlockAllocator::allowed_pages() const noexcept {
+  const std::uint64_t limit = limit_bytes_.load(std::memory_order_relaxed);
+  if (limit == kNoLimit) return std::numeric_limits<std::int64_t>::max();
+  return static_cast<std::int64_t>(limit / (page_bytes_ * static_cast<std::uint64_t>(config_.num_buffers)));
+}
+
+std::int64_t BlockAllocator::target_empty_pages() const noexcept {
+  const std::int64_t headroom = allowed_pages() - used_pages_.load(std::memory_order_relaxed);
+  return std::max<std::int64_t>(0, std::min(config_.reserved_pages, headroom));
+}
+
+// ---- alloc / free -----------------------------------------------------------------------------------
+
+void BlockAllocator::take_from_page(std::int32_t page_id, std::int64_t want, std::vector<std::int32_t>& out) {
+  Page& page = pages_[static_cast<std::size_t>(page_id)];
+  const bool was_empty = page.used == 0;
+  const auto n = static_cast<std::int32_t>(std::min<std::int64_t>(want, static_cast<std::int64_t>(page.free_blocks.size())));
+  for (std::int32_t i = 0; i < n; ++i) {
+    const std::int32_t b = page.free_blocks.back();
+    page.free_blocks.pop_back();
+    allocated_[static_cast<std::size_t>(b)] = 1;
+    out.push_back(b);
+  }
+  page.used += n;
+  if (was_empty) {
+    bump(empty_pages_, std::int64_t{-1});
+    bump(empty_free_, -static_cast<std::int64_t>(page.capacity));
+    bump(partial_free_, static_cast<std::int64_t>(page.capacity - n));
+    bump(used_pages_, std::int64_t{1});
+  } else {
+    bump(partial_free_, -static_cast<std::int64_t>(n));
+  }
+  list_remove(page_id);
+  if (page.used < page.capacity) list_insert(ListId::kPartial, page_id);
+  bump(allocated_blocks_, static_cast<std::int64_t>(n));
+}
+
+void BlockAllocator::return_block(std::int32_t block) {
+  const std::int32_t page_id = page_of(block);
+  Page& page = pages_[static_cast<std::size_t>(page_id)];
+  allocated_[static_cast<std::size_t>(block)] = 0;
+  page.free_blocks.push_back(block);
+  --page.used;
+  bump(allocated_blocks_, std::int64_t{-1});
+  if (page.used == 0) {
+    list_remove(page_id);
+    list_insert(ListId::kEmpty, page_id);
+    bump(partial_free_, -static_cast<std::int64_t>(page.capacity - 1));
+    bump(empty_pages_, std::int64_t{1});
+    bump(empty_free_, static_cast<std::int64_t>(page.capacity));
+    bump(used_pages_, std::int64_t{-1});
+  } else {
+    bump(partial_free_, std::int64_t{1});
+    if (page.list == ListId::kNone) list_insert(ListId::kPartial, page_id);
+  }
+}
+
+BlockAllocator::MapResult BlockAllocator::map_next_page() {
+  if (unmapped_.empty()) return MapResult::kNoPage;
+  const std::int32_t page_id = unmapped_.back();
+  const auto n = static_cast<std::size_t>(config_.num_buffers);
+  PhysHandle* handles = &handles_[static_cast<std::size_t>(page_id) * n];
+  const std::size_t offset = static_cast<std::size_t>(page_id) * page_bytes_;
+  std::size_t mapped = 0;
+  auto undo = [&] {
+    for (std::size_t i = 0; i < mapped; ++i) {
+      try {
+        backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + offset, page_bytes_);
+        if (backend_->handle_survives_unmap()) pool_->give_back(handles[i]);
+      } catch (...) {
+        // Nothing more to undo for this handle; the first error is the one reported.
+      }
+    }
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    std::optional<PhysHandle> h = pool_->take();
+    if (!h) {
+      undo();
+      return MapResult::kNoMemory;
+    }
+    try {
+      const std::uintptr_t addr = buffer_address(static_cast<std::int64_t>(i)) + offset;
+      backend_->map(addr, page_bytes_, *h);
+      handles[i] = *h;
+      ++mapped;
+      if (config_.zero_on_map) backend_->zero(addr, page_bytes_);
+    } catch (const std::exception& e) {
+      if (mapped < i + 1) pool_->give_back(*h);  // never mapped: still holds its memory
+      undo();
+      record_error(e.what());
+      throw;
+    }
+  }
+  unmapped_.pop_back();
+  Page& page = pages_[static_cast<std::size_t>(page_id)];
+  page.state = PageState::kMapped;
+  list_insert(ListId::kEmpty, page_id);
+  bump(unmapped_pages_, std::int64_t{-1});
+  bump(mapped_pages_, std::int64_t{1});
+  bump(empty_pages_, std::int64_t{1});
+  bump(empty_free_, static_cast<std::int64_t>(page.capacity));
+  return MapResult::kMapped;
+}
+
+bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out) {
+  if (count <= 0) throw InvalidArgument("alloc() needs a positive number of blocks, got " + std::to_string(count));
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open();
+  const std::int64_t allowed = allowed_pages();
+  std::int64_t used_pages = used_pages_.load(std::memory_order_relaxed);
+  if (used_pages > allowed) return false;  // a deferred shrink is in progress: allocation stops
+  const std::int64_t partial_free = partial_free_.load(std::memory_order_relaxed);
+  if (count > partial_free + empty_free_.load(std::memory_order_relaxed) +
+                  unmapped_pages_.load(std::memory_order_relaxed) * static_cast<std::int64_t>(page_bytes_ / config_.block_bytes))
+    return false;  // more than virtual capacity could ever give
+
+  const std::size_t start = out.size();
+  std::int64_t need = count;
+  // 1. Partially used pages: no new page becomes used.
+  while (need > 0 && !partial_.items.empty()) {
+    const std::size_t before = out.size();
+    take_from_page(partial_.items.back(), need, out);
+    need -= static_cast<std::int64_t>(out.size() - before);
+  }
+  // 2. Mapped empty pages, then 3. new pages, each within the memory limit.
+  bool ok = true;
+  while (need > 0) {
+    if (used_pages >= allowed) {
+      ok = false;
+      break;
+    }
+    if (empty_.items.empty()) {
+      if (mapped_pages_.load(std::memory_order_relaxed) >= allowed) {
+        ok = false;
+        break;
+      }
+      MapResult r;
+      try {
+        r = map_next_page();
+      } catch (...) {
+        for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
+        out.resize(start);
+        throw;
+      }
+      if (r != MapResult::kMapped) {
+        ok = false;
+        break;
+      }
+    }
+    const std::size_t before = out.size();
+    take_from_page(empty_.items.back(), need, out);
+    need -= static_cast<std::int64_t>(out.size() - before);
+    ++used_pages;
+  }
+  if (!ok) {
+    // Roll back: the caller sees no change (pages mapped meanwhile stay as reusable empty pages).
+    for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
+    out.resize(start);
+    if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
+  }
+  return ok;
+}
+
+void BlockAllocator::free(const std::int64_t* ids, std::size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open();
+  // Validate everything first (marking as we go to catch duplicates), so a bad id changes nothing.
+  std::size_t checked = 0;
+  auto fail = [&](const std::string& message) {
+    for (std::size_t i = 0; i < checked; ++i) allocated_[static_cast<std::size_t>(ids[i])] = 1;
+    throw InvalidArgument(message);
+  };
+  for (; checked < count; ++checked) {
+    const std::int64_t id = ids[checked];
+    if (id < 0 || id >= config_.num_blocks)
+      fail("block id " + std::to_string(id) + " is out of range [0, " + std::to_string(config_.num_blocks) + ")");
+    if (id == 0 && config_.reserve_null_block) fail("block 0 is the reserved null block and cannot be freed");
+    std::uint8_t& a = allocated_[static_cast<std::size_t>(id)];
+    if (!a) fail("block id " + std::to_string(id) + " is not allocated (double free, or an id this manager never gave out)");
+    a = 0;
+  }
+  for (std::size_t i = 0; i < count; ++i) return_block(static_cast<std::int32_t>(ids[i]));
+  if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
+}
+
+std::int64_t BlockAllocator::available_size() const noexcept {
+  if (closed()) return 0;
+  const std::int64_t allowed = allowed_pages();
+  const std::int64_t used = used_pages_.load(std::memory_order_relaxed);
+  if (used > allowed) return 0;
+  std::int64_t headroom = allowed - used;  // pages that may still become used
+  std::int64_t avail = partial_free_.load(std::memory_order_relaxed);
+  const std::int64_t empty = empty_pages_.load(std::memory_order_relaxed);
+  if (empty <= headroom) {
+    avail += empty_free_.load(std::memory_order_relaxed);
+    headroom -= empty;
+  } else {
+    return avail + headroom * min_capacity_;
+  }
+  // New pages: bounded by unmapped pages, the limit, and physical memory (pool + cached device free).
+  const std::int64_t by_limit = allowed - mapped_pages_.load(std::memory_order_relaxed);
+  const auto handles = static_cast<std::int64_t>(pool_->ready() + pool_->cached_free_bytes() / page_bytes_);
+  const std::int64_t by_memory = handles / config_.num_buffers;
+  const std::int64_t fresh =
+      std::max<std::int64_t>(0, std::min({headroom, by_limit, by_memory, unmapped_pages_.load(std::memory_order_relaxed)}));
+  return avail + fresh * min_capacity_;
+}
+
+// ---- limit ------------------------------------------------------------------------------------------
+
+LimitResult BlockAllocator::set_memory_limit(std::uint64_t limit_bytes, std::optional<std::uint64_t> revision) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open();
+  const std::uint64_t current = limit_bytes_.load(std::memory_order_relaxed);
+  const std::uint64_t current_rev = limit_revision_.load(std::memory_order_relaxed);
+  const std::uint64_t rev = revision.value_or(current_rev + 1);
+  if (rev < current_rev) return {"stale", current, current_rev};
+  if (rev == current_rev && revision && limit_bytes != current) return {"conflict", current, current_rev};
+  limit_revision_.store(rev, std::memory_order_relaxed);
+  limit_bytes_.store(limit_bytes, std::memory_order_relaxed);
+  request_reclaim();
+  const std::uint64_t used = static_cast<std::uint64_t>(used_pages_.load(std::memory_order_relaxed)) * logical_page_bytes();
+  return {used > limit_bytes ? "deferred" : "applied", limit_bytes, rev};
+}
+
+// ---- reclaim ----------------------------------------------------------------------------------------
+
+void BlockAllocator::request_reclaim() {
+  if (!reclaim_requested_.exchange(true, std::memory_order_relaxed)) reclaim_cv_.notify_one();
+}
+
+void BlockAllocator::unmap_pages(const std::vector<std::int32_t>& victims) {
+  const auto n = static_cast<std::size_t>(config_.num_buffers);
+  try {
+    backend_->fence();  // work launched before the blocks were freed must finish before their pages go
+  } catch (const std::exception& e) {
+    record_error(e.what());
+  }
+  std::vector<PageState> outcome(victims.size(), PageState::kUnmapped);
+  for (std::size_t v = 0; v < victims.size(); ++v) {
+    const std::size_t page_id = static_cast<std::size_t>(victims[v]);
+    for (std::size_t i = 0; i < n; ++i) {
+      try {
+        backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + page_id * page_bytes_, page_bytes_);
+        if (backend_->handle_survives_unmap()) pool_->give_back(handles_[page_id * n + i]);
+      } catch (const std::exception& e) {
+        record_error(e.what());
+        outcome[v] = PageState::kBroken;  // never reuse a page in an unknown state
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::size_t v = 0; v < victims.size(); ++v) {
+    Page& page = pages_[static_cast<std::size_t>(victims[v])];
+    page.state = outcome[v];
+    bump(mapped_pages_, std::int64_t{-1});
+    if (outcome[v] == PageState::kUnmapped) {
+      unmapped_.push_back(victims[v]);
+      bump(unmapped_pages_, std::int64_t{1});
+    }
+  }
+}
+
+std::uint64_t BlockAllocator::reclaim(std::int64_t keep_empty) {
+  std::lock_guard<std::mutex> serial(unmap_mu_);
+  std::vector<std::int32_t> victims;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Highest pages go first: allocation maps lowest first, so memory stays packed at the bottom.
+    std::vector<std::int32_t> empty = empty_.items;
+    std::sort(empty.begin(), empty.end(), std::greater<>());
+    const auto excess = static_cast<std::int64_t>(empty.size()) - keep_empty;
+    for (std::int64_t k = 0; k < excess; ++k) {
+      const std::int32_t page_id = empty[static_cast<std::size_t>(k)];
+      list_remove(page_id);
+      Page& page = pages_[static_cast<std::size_t>(page_id)];
+      page.state = PageState::kUnmapping;
+      bump(empty_pages_, std::int64_t{-1});
+      bump(empty_free_, -static_cast<std::int64_t>(page.capacity));
+      victims.push_back(page_id);
+    }
+  }
+  if (!victims.empty()) unmap_pages(victims);
+  return victims.size() * logical_page_bytes();
+}
+
+void BlockAllocator::reclaimer_loop() {
+  using namespace std::chrono;
+  std::unique_lock<std::mutex> lock(reclaim_mu_);
+  while (!stop_) {
+    reclaim_cv_.wait_for(lock, milliseconds(100), [this] { return stop_ || reclaim_requested_.load(); });
+    if (stop_) break;
+    reclaim_requested_.store(false);
+    if (empty_pages_.load(std::memory_order_relaxed) <= target_empty_pages()) continue;
+    // Let churn settle: a page freed and reused within the delay is never unmapped.
+    reclaim_cv_.wait_for(lock, milliseconds(config_.reclaim_delay_ms), [this] { return stop_; });
+    if (stop_) break;
+    lock.unlock();
+    reclaim(target_empty_pages());
+    lock.lock();
+  }
+}
+
+std::uint64_t BlockAllocator::trim() {
+  check_open();
+  return reclaim(0);
+}
+
+void BlockAllocator::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open();
+  for (std::size_t b = 0; b < allocated_.size(); ++b) {
+    if (allocated_[b] && !(b == 0 && config_.reserve_null_block)) return_block(static_cast<std::int32_t>(b));
+  }
+  if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
+}
+
+void BlockAllocator::close() {
+  if (closed_.exchange(true, std::memory_order_acq_rel)) return;
+  {
+    std::lock_guard<std::mutex> lock(reclaim_mu_);
+    stop_ = true;
+  }
+  reclaim_cv_.notify_all();
+  if (reclaimer_.joinable()) reclaimer_.join();
+  std::lock_guard<std::mutex> serial(unmap_mu_);
+  std::vector<std::int32_t> mapped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // waits for any alloc/free still inside
+    for (std::size_t p = 0; p < pages_.size(); ++p) {
+      if (pages_[p].state == PageState::kMapped) mapped.push_back(static_cast<std::int32_t>(p));
+    }
+  }
+  if (!mapped.empty()) unmap_pages(mapped);
+  pool_->shutdown();
+}
+
+AllocatorSnapshot BlockAllocator::snapshot() const noexcept {
+  AllocatorSnapshot s{};
+  s.total_blocks = total_blocks_;
+  s.allocated_blocks = allocated_blocks_.load(std::memory_order_relaxed) - (config_.reserve_null_block ? 1 : 0);
+  s.available_blocks = available_size();
+  s.mapped_pages = mapped_pages_.load(std::memory_order_relaxed);
+  s.used_pages = used_pages_.load(std::memory_order_relaxed);
+  s.mapped_bytes = static_cast<std::uint64_t>(s.mapped_pages) * logical_page_bytes();
+  s.used_bytes = static_cast<std::uint64_t>(std::max<std::int64_t>(0, s.allocated_blocks)) *
+                 static_cast<std::uint64_t>(config_.block_bytes) * static_cast<std::uint64_t>(config_.num_buffers);
+  s.limit_bytes = limit_bytes_.load(std::memory_order_relaxed);
+  s.limit_revision = limit_revision_.load(std::memory_order_relaxed);
+  s.pool_ready = static_cast<std::int64_t>(pool_->ready());
+  return s;
+}
+
+}  // namespace kvcached

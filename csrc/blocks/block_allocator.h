@@ -1,0 +1,197 @@
+// BlockAllocator: hands out KV-cache block ids and keeps physical memory mapped only under used blocks.
+//
+// Geometry. The manager's memory is `num_buffers` equal virtual buffers (one per layer and K/V buffer in
+// the per-layer layout, or a single one when an engine packs all layers of a block together). Block b
+// occupies bytes [b * block_bytes, (b + 1) * block_bytes) of every buffer, so engine tensor views keep a
+// uniform stride. A logical page p is the range [p * page_bytes, (p + 1) * page_bytes) in every buffer:
+// mapping it maps `num_buffers` physical pages. A block that would straddle two pages is never handed out.
+//
+// Policy. Allocation fills partially used pages first, then mapped empty pages, and maps new pages last.
+// Freed pages stay mapped (a bounded reserve for reuse); a reclaimer thread unmaps the excess after a
+// short delay and a backend fence, never on the caller's path. Virtual capacity, physical memory and
+// the memory limit all bound alloc() and available_size(); a miss returns false (never throws).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/memory_backend.h"
+#include "pages/page_pool.h"
+
+namespace kvcached {
+
+struct AllocatorConfig {
+  std::int64_t num_blocks = 0;
+  std::int64_t block_bytes = 0;
+  std::int64_t num_buffers = 1;
+  std::int64_t page_bytes = 0;        // 0 = automatic: 2 MiB, or the smallest granule multiple above a block
+  bool reserve_null_block = false;    // block 0 is never handed out; its page stays mapped
+  std::int64_t reserved_pages = 2;    // mapped empty pages kept for reuse
+  std::int64_t reclaim_delay_ms = 50; // how long an excess empty page waits before it is unmapped
+  std::int64_t pool_target = 4;       // physical handles the pool thread keeps ready (0 = no thread)
+  std::int64_t pool_max = 16;         // bound on pooled handles
+  bool zero_on_map = false;           // zero pages when they are mapped
+};
+
+// The address range of all buffers. Shared with exported tensor views so the address space outlives
+// close() while a view still exists (physical memory does not).
+class Reservation {
+ public:
+  Reservation(std::shared_ptr<MemoryBackend> backend, std::size_t bytes);
+  ~Reservation();
+  std::uintptr_t base() const noexcept { return base_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+  MemoryBackend& backend() const noexcept { return *backend_; }
+
+ private:
+  std::shared_ptr<MemoryBackend> backend_;
+  std::uintptr_t base_;
+  std::size_t bytes_;
+};
+
+struct LimitResult {
+  std::string status;  // applied | deferred | stale | conflict
+  std::uint64_t limit_bytes;
+  std::uint64_t revision;
+};
+
+struct AllocatorSnapshot {
+  std::int64_t total_blocks;      // blocks that can ever be handed out
+  std::int64_t allocated_blocks;
+  std::int64_t available_blocks;  // what alloc() could serve now
+  std::int64_t mapped_pages;      // logical pages holding physical memory (incl. ones being unmapped)
+  std::int64_t used_pages;        // logical pages holding at least one allocated block
+  std::uint64_t mapped_bytes;
+  std::uint64_t used_bytes;       // bytes of allocated blocks
+  std::uint64_t limit_bytes;      // UINT64_MAX when unlimited
+  std::uint64_t limit_revision;
+  std::int64_t pool_ready;        // physical handles ready in the pool
+};
+
+class BlockAllocator {
+ public:
+  static constexpr std::uint64_t kNoLimit = std::numeric_limits<std::uint64_t>::max();
+
+  // Validates the geometry (InvalidArgument naming the fix), reserves address space and starts threads.
+  BlockAllocator(std::shared_ptr<MemoryBackend> backend, const AllocatorConfig& config);
+  ~BlockAllocator();
+  BlockAllocator(const BlockAllocator&) = delete;
+  BlockAllocator& operator=(const BlockAllocator&) = delete;
+
+  // Appends `count` distinct block ids to `out` and returns true, or returns false and changes nothing
+  // when virtual capacity, physical memory or the memory limit cannot serve them now.
+  bool alloc(std::int64_t count, std::vector<std::int32_t>& out);
+  // Frees `ids`. Throws InvalidArgument (and frees nothing) on an unknown, reserved or duplicate id.
+  void free(const std::int64_t* ids, std::size_t count);
+  // Blocks alloc() could hand out now (a lower bound). Lock-free, no driver call.
+  std::int64_t available_size() const noexcept;
+
+  LimitResult set_memory_limit(std::uint64_t limit_bytes, std::optional<std::uint64_t> revision);
+  // Unmaps every mapped page that holds no allocated block; returns the bytes unmapped.
+  std::uint64_t trim();
+  // Frees every allocated block (the null block stays reserved); pages are reclaimed as usual.
+  void clear();
+  // Unmaps and releases everything; later calls raise. Idempotent.
+  void close();
+  bool closed() const noexcept { return closed_.load(std::memory_order_acquire); }
+
+  AllocatorSnapshot snapshot() const noexcept;
+
+  // Geometry, for tensor views.
+  const AllocatorConfig& config() const noexcept { return config_; }
+  std::size_t page_bytes() const noexcept { return page_bytes_; }
+  std::size_t buffer_stride() const noexcept { return buffer_stride_; }
+  std::uintptr_t buffer_address(std::int64_t buffer) const;
+  std::shared_ptr<Reservation> reservation() const noexcept { return reservation_; }
+  MemoryBackend& backend() const noexcept { return *backend_; }
+  std::string last_error() const;
+
+ private:
+  enum class PageState : std::uint8_t { kUnmapped, kMapped, kUnmapping, kBroken };
+  enum class ListId : std::uint8_t { kNone, kPartial, kEmpty };
+
+  struct Page {
+    std::int32_t first_block = 0;
+    std::int32_t capacity = 0;          // blocks wholly inside this page
+    std::int32_t used = 0;
+    PageState state = PageState::kUnmapped;
+    ListId list = ListId::kNone;
+    std::int32_t list_pos = -1;
+    std::vector<std::int32_t> free_blocks;  // stack; lowest id on top
+  };
+
+  // A set of page ids with O(1) insert/remove (swap with last).
+  struct PageList {
+    std::vector<std::int32_t> items;
+  };
+
+  void list_insert(ListId id, std::int32_t page);
+  void list_remove(std::int32_t page);
+  PageList& list(ListId id) { return id == ListId::kPartial ? partial_ : empty_; }
+
+  std::int32_t page_of(std::int32_t block) const { return block_page_[block]; }
+  std::size_t logical_page_bytes() const { return page_bytes_ * static_cast<std::size_t>(config_.num_buffers); }
+  std::int64_t allowed_pages() const noexcept;
+  std::int64_t target_empty_pages() const noexcept;
+
+  void take_from_page(std::int32_t page, std::int64_t want, std::vector<std::int32_t>& out);
+  void return_block(std::int32_t block);
+  enum class MapResult { kMapped, kNoPage, kNoMemory };
+  MapResult map_next_page();   // caller holds mu_
+  void unmap_pages(const std::vector<std::int32_t>& pages);  // caller does NOT hold mu_
+  std::uint64_t reclaim(std::int64_t keep_empty);
+  void request_reclaim();
+  void reclaimer_loop();
+  void check_open() const;
+  void record_error(const std::string& message);
+
+  std::shared_ptr<MemoryBackend> backend_;
+  AllocatorConfig config_;
+  std::size_t page_bytes_ = 0;
+  std::size_t buffer_stride_ = 0;
+  std::shared_ptr<Reservation> reservation_;
+  std::unique_ptr<PagePool> pool_;
+
+  mutable std::mutex mu_;
+  std::vector<Page> pages_;
+  std::vector<std::int32_t> block_page_;      // page of each block, -1 for straddling blocks
+  std::vector<std::uint8_t> allocated_;       // per block
+  std::vector<PhysHandle> handles_;           // [page * num_buffers + buffer]
+  PageList partial_, empty_;
+  std::vector<std::int32_t> unmapped_;        // stack of unmapped pages with capacity; lowest on top
+  std::int32_t min_capacity_ = 0;
+  std::int64_t total_blocks_ = 0;
+
+  // Written under mu_, read lock-free by available_size() and snapshot().
+  std::atomic<std::int64_t> partial_free_{0};   // free blocks in partially used pages
+  std::atomic<std::int64_t> empty_pages_{0};
+  std::atomic<std::int64_t> empty_free_{0};     // free blocks in mapped empty pages
+  std::atomic<std::int64_t> used_pages_{0};
+  std::atomic<std::int64_t> mapped_pages_{0};
+  std::atomic<std::int64_t> unmapped_pages_{0};
+  std::atomic<std::int64_t> allocated_blocks_{0};
+  std::atomic<std::uint64_t> limit_bytes_{kNoLimit};
+  std::atomic<std::uint64_t> limit_revision_{0};
+  std::atomic<bool> closed_{false};
+
+  // Reclaimer thread.
+  std::mutex reclaim_mu_;
+  std::condition_variable reclaim_cv_;
+  std::atomic<bool> reclaim_requested_{false};
+  bool stop_ = false;
+  std::thread reclaimer_;
+  std::mutex unmap_mu_;  // serializes reclaimer, trim() and close() unmapping
+
+  mutable std::mutex error_mu_;
+  std::string last_error_;
+};
+
+}  // namespace kvcached

@@ -1,0 +1,65 @@
+"""Memory backends of this process: parsing device strings and sharing one backend per device."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Union
+
+from . import _native
+from .config import Settings
+from .runtime_dir import ensure_runtime_dir
+
+_lock = threading.Lock()
+_backends: dict[tuple, _native.MemoryBackend] = {}
+
+DeviceLike = Union[str, "object"]  # a string or a torch.device
+
+
+def parse_device(device: DeviceLike) -> tuple[str, int]:
+    """``"cpu"`` -> ("host", 0); ``"cuda"``/``"cuda:N"`` (or a torch.device) -> ("cuda", N)."""
+    text = str(device).strip().lower()
+    if text == "cpu":
+        return "host", 0
+    if text == "cuda":
+        torch = sys.modules.get("torch")  # follow torch's current device when torch is in use
+        index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+        return "cuda", int(index)
+    if text.startswith("cuda:"):
+        index_text = text[len("cuda:") :]
+        if index_text.isdigit():
+            return "cuda", int(index_text)
+    raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+
+
+def cuda_unavailable_reason() -> str:
+    """Why the CUDA backend cannot be used in this process, or '' when it can."""
+    return _native.cuda_unavailable_reason()
+
+
+def available_backends() -> list[str]:
+    """Backends this build can use on this machine: ``["host"]`` or ``["host", "cuda"]``."""
+    return ["host"] + (["cuda"] if cuda_unavailable_reason() == "" else [])
+
+
+def get_backend(device: DeviceLike, settings: Settings) -> _native.MemoryBackend:
+    """The process-wide backend for ``device`` (created on first use)."""
+    kind, index = parse_device(device)
+    if kind == "host":
+        budget = settings.host_device_bytes
+        path = ""
+        if budget:
+            path = os.path.join(ensure_runtime_dir(settings.resolved_runtime_dir()), "host-device.ledger")
+        key: tuple = ("host", path, budget)
+    else:
+        reason = cuda_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"device {device!r} is not usable: {reason}; use device='cpu' for the host backend")
+        key = ("cuda", index)
+    with _lock:
+        backend = _backends.get(key)
+        if backend is None:
+            backend = _native.HostBackend(path, budget) if kind == "host" else _native.CudaBackend(index)
+            _backends[key] = backend
+        return backend

@@ -1,0 +1,132 @@
+"""Every ``KVCACHED_*`` setting, parsed and validated in one place.
+
+The native core never reads the environment: :func:`load_settings` reads it once and the values are
+handed to the core explicitly. A bad value raises :class:`ConfigError` naming the variable and the fix.
+The README's configuration table lists the same settings, defaults and meanings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)[bB]?\s*$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A KVCACHED_* variable holds a value that cannot be used."""
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as ``4096``, ``512M``, ``2G``, ``1.5GiB`` (binary units) into bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size; write bytes or a number with K, M, G or T (e.g. 512M, 1.5GiB)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 0:
+        raise ValueError(f"{value} is negative")
+    return value
+
+
+def _size(text: str) -> int:
+    return parse_size(text)
+
+
+def _default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):
+        return os.path.join(base, "kvcached")
+    return os.path.join("/tmp", f"kvcached-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str
+    parse: Callable[[str], object]
+    meaning: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated configuration. Field names match the variables without the ``KVCACHED_`` prefix."""
+
+    enable: bool = True
+    page_bytes: int = 0
+    reserved_pages: int = 2
+    reclaim_delay_ms: int = 50
+    pool_target: int = 4
+    pool_max: int = 16
+    zero_on_map: bool = False
+    host_device_bytes: int = 0
+    runtime_dir: Optional[str] = None
+
+    def resolved_runtime_dir(self) -> str:
+        return self.runtime_dir or _default_runtime_dir()
+
+
+SETTINGS: dict[str, Setting] = {
+    "enable": Setting("KVCACHED_ENABLE", _bool, "0 turns the engine plugins off"),
+    "page_bytes": Setting(
+        "KVCACHED_PAGE_BYTES", _size, "physical page size; 0 = 2 MiB, or the smallest granule above a block"
+    ),
+    "reserved_pages": Setting(
+        "KVCACHED_RESERVED_PAGES", _non_negative_int, "mapped empty pages kept for reuse (per manager)"
+    ),
+    "reclaim_delay_ms": Setting(
+        "KVCACHED_RECLAIM_DELAY_MS", _non_negative_int, "how long an excess empty page waits before unmapping"
+    ),
+    "pool_target": Setting(
+        "KVCACHED_POOL_TARGET", _non_negative_int, "physical handles kept ready by the pool thread (0 = no thread)"
+    ),
+    "pool_max": Setting("KVCACHED_POOL_MAX", _non_negative_int, "bound on pooled physical handles"),
+    "zero_on_map": Setting("KVCACHED_ZERO_ON_MAP", _bool, "zero pages when they are mapped"),
+    "host_device_bytes": Setting(
+        "KVCACHED_HOST_DEVICE_BYTES",
+        _size,
+        "size of the host memory budget shared by all host-backend processes of this user (0 = no budget)",
+    ),
+    "runtime_dir": Setting(
+        "KVCACHED_RUNTIME_DIR", str, "per-user directory (0700) for ledgers and segments; default "
+        "$XDG_RUNTIME_DIR/kvcached or /tmp/kvcached-$UID"
+    ),
+}
+
+
+def load_settings(environ: Optional[Mapping[str, str]] = None, **overrides: object) -> Settings:
+    """Read every KVCACHED_* variable from ``environ`` (default ``os.environ``); ``overrides`` win."""
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for name, setting in SETTINGS.items():
+        raw = env.get(setting.env)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[name] = setting.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{setting.env}={raw!r}: {exc}") from None
+    known = {f.name for f in fields(Settings)}
+    for key, value in overrides.items():
+        if key not in known:
+            raise TypeError(f"unknown setting {key!r}; known: {', '.join(sorted(known))}")
+        values[key] = value
+    return Settings(**values)  # type: ignore[arg-type]

@@ -1,0 +1,198 @@
+"""KVCacheManager: the public face of the native block allocator, plus KV tensor views over its memory."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from . import _native
+from .backends import DeviceLike, get_backend, parse_device
+from .config import Settings, load_settings
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def _engine_label() -> str:
+    # Looking at sys.modules imports nothing: the core never imports an engine.
+    for engine in ("vllm", "sglang"):
+        if engine in sys.modules:
+            return engine
+    return "python"
+
+
+class KVCacheManager(_native.BlockAllocator):
+    """An elastic KV cache: block ids over virtual memory that is mapped page by page while blocks are used.
+
+    ``alloc(count)``, ``free(ids)`` and ``available_size()`` are native CPython methods (no Python frame
+    and no binding dispatcher on the hot path). Memory of a freshly mapped page is not zeroed unless ``zero_on_map`` is set.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        num_layers: int,
+        num_kv_buffers: int = 2,
+        device: DeviceLike = "cpu",
+        pool_name: str = "mha",
+        name: Optional[str] = None,
+        *,
+        reserve_null_block: bool = False,
+        page_bytes: Optional[int] = None,
+        reserved_pages: Optional[int] = None,
+        reclaim_delay_ms: Optional[int] = None,
+        pool_target: Optional[int] = None,
+        pool_max: Optional[int] = None,
+        zero_on_map: Optional[bool] = None,
+        settings: Optional[Settings] = None,
+    ) -> None:
+        """Reserve address space for ``num_blocks`` blocks of ``block_bytes`` in each of
+        ``num_layers * num_kv_buffers`` buffers on ``device``; no physical memory is mapped yet.
+
+        Keyword arguments left as None take their value from ``settings`` (default: the KVCACHED_*
+        environment, see the README). Raises ValueError for bad geometry and RuntimeError when the
+        device cannot be used.
+        """
+        s = settings if settings is not None else load_settings()
+        self.num_blocks = _positive_int("num_blocks", num_blocks)
+        self.block_bytes = _positive_int("block_bytes", block_bytes)
+        self.num_layers = _positive_int("num_layers", num_layers)
+        self.num_kv_buffers = _positive_int("num_kv_buffers", num_kv_buffers)
+        if not isinstance(pool_name, str) or not pool_name:
+            raise ValueError(f"pool_name must be a non-empty string, got {pool_name!r}")
+        kind, index = parse_device(device)
+        self.device = "cpu" if kind == "host" else f"cuda:{index}"
+        self.pool_name = pool_name
+        self.name = name if name else f"{_engine_label()}-{os.getpid()}"
+        self.reserve_null_block = bool(reserve_null_block)
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        super().__init__(
+            get_backend(self.device, s),
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            num_buffers=self.num_layers * self.num_kv_buffers,
+            page_bytes=pick(page_bytes, s.page_bytes),
+            reserve_null_block=self.reserve_null_block,
+            reserved_pages=pick(reserved_pages, s.reserved_pages),
+            reclaim_delay_ms=pick(reclaim_delay_ms, s.reclaim_delay_ms),
+            pool_target=pick(pool_target, s.pool_target),
+            pool_max=pick(pool_max, s.pool_max),
+            zero_on_map=bool(pick(zero_on_map, s.zero_on_map)),
+        )
+        # The hot calls as plain CPython methods (see csrc/bindings/fast_path.h): no pybind11 dispatch.
+        fast = self._fast_path()
+        self.alloc = fast.alloc
+        self.free = fast.free
+        self.available_size = fast.available_size
+
+    # -- hot path: __init__ shadows these with the native methods; they document the API and serve
+    # -- unbound calls such as KVCacheManager.alloc(mgr, 4).
+
+    def alloc(self, count: int) -> Optional[list[int]]:
+        """``count`` distinct block ids, or None when virtual capacity, physical memory or the memory limit
+        cannot serve them now. ValueError for ``count <= 0``."""
+        return self._fast_path().alloc(count)
+
+    def free(self, ids: Sequence[int]) -> None:
+        """Free block ids. ValueError (and nothing freed) on an unknown, reserved or duplicate id."""
+        self._fast_path().free(ids)
+
+    def available_size(self) -> int:
+        """Blocks ``alloc`` could hand out now (a lower bound; lock-free, never calls the driver)."""
+        return self._fast_path().available_size()
+
+    # -- control --------------------------------------------------------------------------------------
+
+    def set_memory_limit(self, limit_bytes: Optional[int], revision: Optional[int] = None) -> dict:
+        """Cap the physical memory this manager may map (``None`` removes the cap).
+
+        Returns a dict whose ``status`` is ``applied``, ``deferred`` (the cap is below what is in use:
+        allocation stops until frees bring use under it; no allocated block is taken back), ``stale`` (an
+        older ``revision`` than the current one: ignored) or ``conflict`` (same revision, other value:
+        ignored). Without ``revision`` the next one is used.
+        """
+        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)):
+            raise ValueError(f"limit_bytes must be an int number of bytes or None, got {limit_bytes!r}")
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        if revision is not None and (isinstance(revision, bool) or not isinstance(revision, int) or revision < 0):
+            raise ValueError(f"revision must be a non-negative int or None, got {revision!r}")
+        return self._set_memory_limit(limit_bytes, revision)
+
+    def snapshot(self) -> dict:
+        """Pool occupancy: total/allocated/available blocks, mapped and used bytes, the limit, and labels."""
+        snap = self._snapshot()
+        snap.update(
+            pool_name=self.pool_name,
+            name=self.name,
+            device=self.device,
+            block_bytes=self.block_bytes,
+            page_bytes=self.page_bytes,
+            num_buffers=self.num_layers * self.num_kv_buffers,
+        )
+        return snap
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.available_size()} blocks available"
+        return (
+            f"KVCacheManager(name={self.name!r}, pool_name={self.pool_name!r}, device={self.device!r}, "
+            f"num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, {state})"
+        )
+
+    # -- tensors --------------------------------------------------------------------------------------
+
+    def buffer_index(self, layer: int, kv: int = 0) -> int:
+        """Index of the buffer holding ``layer``'s K (kv=0) or V (kv=1) blocks."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        if not 0 <= kv < self.num_kv_buffers:
+            raise ValueError(f"kv {kv} out of range [0, {self.num_kv_buffers})")
+        return layer * self.num_kv_buffers + kv
+
+    def buffer(self, layer: int = 0, kv: int = 0):
+        """One buffer as a flat ``torch.uint8`` tensor of ``num_blocks * block_bytes`` bytes.
+
+        Block ``b`` is bytes ``[b * block_bytes, (b + 1) * block_bytes)``. This is the form of an engine
+        that allocates one backing buffer per KV tensor and slices it itself. Touch only allocated blocks:
+        other pages may be unmapped.
+        """
+        import torch
+
+        capsule = self._export_bytes(self.buffer_index(layer, kv), 0, self.num_blocks * self.block_bytes)
+        return torch.from_dlpack(capsule)
+
+    def kv_tensors(self, block_shape: tuple[int, ...], dtype) -> list[list]:
+        """Per-layer views: ``result[layer][kv]`` has shape ``(num_blocks, *block_shape)`` and ``dtype``.
+
+        ``prod(block_shape) * dtype.itemsize`` must equal ``block_bytes``.
+        """
+        import torch
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(block_shape) * itemsize != self.block_bytes:
+            raise ValueError(
+                f"block_shape {tuple(block_shape)} of {dtype} is {math.prod(block_shape) * itemsize} bytes, "
+                f"but this manager's blocks are {self.block_bytes} bytes"
+            )
+        return [
+            [self.buffer(layer, kv).view(dtype).view(self.num_blocks, *block_shape) for kv in range(self.num_kv_buffers)]
+            for layer in range(self.num_layers)
+        ]

@@ -1,0 +1,22 @@
+"""The per-user runtime directory: owner-only (0700), holding ledgers and shared-memory segments."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+
+def ensure_runtime_dir(path: str) -> str:
+    """Create ``path`` with mode 0700 if needed and check that this user owns it and nobody else can enter.
+
+    Raises PermissionError naming the fix when the directory belongs to someone else or is open to others.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{path} is not a directory; remove it or set KVCACHED_RUNTIME_DIR")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to you; set KVCACHED_RUNTIME_DIR")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
