@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Callable, Optional
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)[bB]?\s*$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -25,7 +24,9 @@ def parse_size(text: str) -> int:
     """Parse a byte size such as ``4096``, ``512M``, ``2G``, ``1.5GiB`` (binary units) into bytes."""
     m = _SIZE_RE.match(text)
     if not m:
-        raise ValueError(f"{text!r} is not a size; write bytes or a number with K, M, G or T (e.g. 512M, 1.5GiB)")
+        raise ValueError(
+            f"{text!r} is not a size; write bytes or a number with K, M, G or T (e.g. 512M, 1.5GiB)"
+        )
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of bytes")
@@ -78,7 +79,7 @@ class Settings:
     pool_max: int = 16
     zero_on_map: bool = False
     host_device_bytes: int = 0
-    runtime_dir: Optional[str] = None
+    runtime_dir: str | None = None
 
     def resolved_runtime_dir(self) -> str:
         return self.runtime_dir or _default_runtime_dir()
@@ -96,7 +97,9 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_RECLAIM_DELAY_MS", _non_negative_int, "how long an excess empty page waits before unmapping"
     ),
     "pool_target": Setting(
-        "KVCACHED_POOL_TARGET", _non_negative_int, "physical handles kept ready by the pool thread (0 = no thread)"
+        "KVCACHED_POOL_TARGET",
+        _non_negative_int,
+        "physical handles kept ready by the pool thread (0 = no thread)",
     ),
     "pool_max": Setting("KVCACHED_POOL_MAX", _non_negative_int, "bound on pooled physical handles"),
     "zero_on_map": Setting("KVCACHED_ZERO_ON_MAP", _bool, "zero pages when they are mapped"),
@@ -106,13 +109,15 @@ SETTINGS: dict[str, Setting] = {
         "size of the host memory budget shared by all host-backend processes of this user (0 = no budget)",
     ),
     "runtime_dir": Setting(
-        "KVCACHED_RUNTIME_DIR", str, "per-user directory (0700) for ledgers and segments; default "
-        "$XDG_RUNTIME_DIR/kvcached or /tmp/kvcached-$UID"
+        "KVCACHED_RUNTIME_DIR",
+        str,
+        "per-user directory (0700) for ledgers and segments; default "
+        "$XDG_RUNTIME_DIR/kvcached or /tmp/kvcached-$UID",
     ),
 }
 
 
-def load_settings(environ: Optional[Mapping[str, str]] = None, **overrides: object) -> Settings:
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
     """Read every KVCACHED_* variable from ``environ`` (default ``os.environ``); ``overrides`` win."""
     env = os.environ if environ is None else environ
     values: dict[str, object] = {}

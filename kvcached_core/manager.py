@@ -6,7 +6,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from . import _native
 from .backends import DeviceLike, get_backend, parse_device
@@ -33,7 +33,8 @@ class KVCacheManager(_native.BlockAllocator):
     """An elastic KV cache: block ids over virtual memory that is mapped page by page while blocks are used.
 
     ``alloc(count)``, ``free(ids)`` and ``available_size()`` are native CPython methods (no Python frame
-    and no binding dispatcher on the hot path). Memory of a freshly mapped page is not zeroed unless ``zero_on_map`` is set.
+    and no binding dispatcher on the hot path). Memory of a freshly mapped page is not zeroed unless
+    ``zero_on_map`` is set.
     """
 
     def __init__(
@@ -44,16 +45,16 @@ class KVCacheManager(_native.BlockAllocator):
         num_kv_buffers: int = 2,
         device: DeviceLike = "cpu",
         pool_name: str = "mha",
-        name: Optional[str] = None,
+        name: str | None = None,
         *,
         reserve_null_block: bool = False,
-        page_bytes: Optional[int] = None,
-        reserved_pages: Optional[int] = None,
-        reclaim_delay_ms: Optional[int] = None,
-        pool_target: Optional[int] = None,
-        pool_max: Optional[int] = None,
-        zero_on_map: Optional[bool] = None,
-        settings: Optional[Settings] = None,
+        page_bytes: int | None = None,
+        reserved_pages: int | None = None,
+        reclaim_delay_ms: int | None = None,
+        pool_target: int | None = None,
+        pool_max: int | None = None,
+        zero_on_map: bool | None = None,
+        settings: Settings | None = None,
     ) -> None:
         """Reserve address space for ``num_blocks`` blocks of ``block_bytes`` in each of
         ``num_layers * num_kv_buffers`` buffers on ``device``; no physical memory is mapped yet.
@@ -100,7 +101,7 @@ class KVCacheManager(_native.BlockAllocator):
     # -- hot path: __init__ shadows these with the native methods; they document the API and serve
     # -- unbound calls such as KVCacheManager.alloc(mgr, 4).
 
-    def alloc(self, count: int) -> Optional[list[int]]:
+    def alloc(self, count: int) -> list[int] | None:
         """``count`` distinct block ids, or None when virtual capacity, physical memory or the memory limit
         cannot serve them now. ValueError for ``count <= 0``."""
         return self._fast_path().alloc(count)
@@ -115,7 +116,7 @@ class KVCacheManager(_native.BlockAllocator):
 
     # -- control --------------------------------------------------------------------------------------
 
-    def set_memory_limit(self, limit_bytes: Optional[int], revision: Optional[int] = None) -> dict:
+    def set_memory_limit(self, limit_bytes: int | None, revision: int | None = None) -> dict:
         """Cap the physical memory this manager may map (``None`` removes the cap).
 
         Returns a dict whose ``status`` is ``applied``, ``deferred`` (the cap is below what is in use:
@@ -127,7 +128,9 @@ class KVCacheManager(_native.BlockAllocator):
             raise ValueError(f"limit_bytes must be an int number of bytes or None, got {limit_bytes!r}")
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
-        if revision is not None and (isinstance(revision, bool) or not isinstance(revision, int) or revision < 0):
+        if revision is not None and (
+            isinstance(revision, bool) or not isinstance(revision, int) or revision < 0
+        ):
             raise ValueError(f"revision must be a non-negative int or None, got {revision!r}")
         return self._set_memory_limit(limit_bytes, revision)
 
@@ -193,6 +196,9 @@ class KVCacheManager(_native.BlockAllocator):
                 f"but this manager's blocks are {self.block_bytes} bytes"
             )
         return [
-            [self.buffer(layer, kv).view(dtype).view(self.num_blocks, *block_shape) for kv in range(self.num_kv_buffers)]
+            [
+                self.buffer(layer, kv).view(dtype).view(self.num_blocks, *block_shape)
+                for kv in range(self.num_kv_buffers)
+            ]
             for layer in range(self.num_layers)
         ]
