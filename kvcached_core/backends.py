@@ -55,9 +55,7 @@ def get_backend(device: DeviceLike, settings: Settings) -> _native.MemoryBackend
     else:
         reason = cuda_unavailable_reason()
         if reason:
-            raise RuntimeError(
-                f"device {device!r} is not usable: {reason}; use device='cpu' for the host backend"
-            )
+            raise RuntimeError(f"device {device!r} is not usable: {reason}; use device='cpu' for the host backend")
         key = ("cuda", index)
     with _lock:
         backend = _backends.get(key)

@@ -24,9 +24,7 @@ def parse_size(text: str) -> int:
     """Parse a byte size such as ``4096``, ``512M``, ``2G``, ``1.5GiB`` (binary units) into bytes."""
     m = _SIZE_RE.match(text)
     if not m:
-        raise ValueError(
-            f"{text!r} is not a size; write bytes or a number with K, M, G or T (e.g. 512M, 1.5GiB)"
-        )
+        raise ValueError(f"{text!r} is not a size; write bytes or a number with K, M, G or T (e.g. 512M, 1.5GiB)")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of bytes")
@@ -111,8 +109,7 @@ SETTINGS: dict[str, Setting] = {
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",
         str,
-        "per-user directory (0700) for ledgers and segments; default "
-        "$XDG_RUNTIME_DIR/kvcached or /tmp/kvcached-$UID",
+        "per-user directory (0700) for ledgers and segments; default $XDG_RUNTIME_DIR/kvcached or /tmp/kvcached-$UID",
     ),
 }
 

@@ -128,9 +128,7 @@ class KVCacheManager(_native.BlockAllocator):
             raise ValueError(f"limit_bytes must be an int number of bytes or None, got {limit_bytes!r}")
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
-        if revision is not None and (
-            isinstance(revision, bool) or not isinstance(revision, int) or revision < 0
-        ):
+        if revision is not None and (isinstance(revision, bool) or not isinstance(revision, int) or revision < 0):
             raise ValueError(f"revision must be a non-negative int or None, got {revision!r}")
         return self._set_memory_limit(limit_bytes, revision)
 

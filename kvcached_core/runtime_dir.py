@@ -11,7 +11,10 @@ def ensure_runtime_dir(path: str) -> str:
 
     Raises PermissionError naming the fix when the directory belongs to someone else or is open to others.
     """
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a file or a link in the way: reported below
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"{path} is not a directory; remove it or set KVCACHED_RUNTIME_DIR")

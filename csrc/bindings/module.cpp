@@ -17,6 +17,7 @@
 #ifdef KVCACHED_WITH_CUDA
 #include "backend/cuda_backend.h"
 #include "backend/cuda_driver.h"
+#include "backend/cuda_floor.h"
 #endif
 
 namespace py = pybind11;
@@ -110,6 +111,21 @@ PYBIND11_MODULE(_native, m) {
   m.def("cuda_unavailable_reason", &CudaDriver::unavailable_reason,
         "Why the CUDA backend cannot be used here, or '' when it can.");
   m.attr("built_with_cuda") = true;
+  m.def("_cuda_driver_floor", [](int device_index, std::size_t page_bytes, int iterations) {
+        DriverFloor f;
+        {
+          py::gil_scoped_release release;
+          f = measure_cuda_driver_floor(device_index, page_bytes, iterations);
+        }
+        py::dict d;
+        d["cuMemCreate"] = f.create_us;
+        d["cuMemMap"] = f.map_us;
+        d["cuMemSetAccess"] = f.set_access_us;
+        d["cuMemUnmap"] = f.unmap_us;
+        d["cuMemRelease"] = f.release_us;
+        return d;
+      }, py::arg("device_index"), py::arg("page_bytes"), py::arg("iterations"),
+      "Per-call microseconds of bare driver calls for `iterations` pages (benchmarks' floor).");
 #else
   m.def("cuda_unavailable_reason", [] { return std::string("kvcached-core was built without CUDA headers (cuda.h)"); });
   m.attr("built_with_cuda") = false;

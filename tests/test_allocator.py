@@ -1,0 +1,193 @@
+"""Block allocator semantics on the host backend: real reservations, real mappings, real memory."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import wait_for
+
+BLOCKS_PER_PAGE = 32  # 64 KiB blocks in 2 MiB pages
+LOGICAL_PAGE = 2 * 1024 * 1024 * 4  # 2 layers x K/V: one logical page maps 4 physical pages
+
+
+def test_alloc_returns_distinct_ids_and_maps_only_what_is_used(make_manager):
+    mgr = make_manager()
+    assert mgr.snapshot()["mapped_bytes"] == 0  # nothing mapped before the first alloc
+    ids = mgr.alloc(40)
+    assert len(ids) == 40 and len(set(ids)) == 40
+    assert all(0 <= b < 1024 for b in ids)
+    snap = mgr.snapshot()
+    assert snap["allocated_blocks"] == 40
+    assert snap["used_pages"] == 2
+    assert snap["mapped_bytes"] == 2 * LOGICAL_PAGE
+    assert snap["used_bytes"] == 40 * 64 * 1024 * 4
+
+
+def test_partially_used_pages_are_filled_before_empty_ones(make_manager):
+    mgr = make_manager(reserved_pages=8)
+    first = mgr.alloc(BLOCKS_PER_PAGE * 3)  # three full pages
+    pages = {b // BLOCKS_PER_PAGE for b in first}
+    assert len(pages) == 3
+    # Free half of page 1 and all of page 2: page 1 is partial, page 2 empty (but still mapped).
+    page1 = [b for b in first if b // BLOCKS_PER_PAGE == sorted(pages)[1]]
+    page2 = [b for b in first if b // BLOCKS_PER_PAGE == sorted(pages)[2]]
+    mgr.free(page1[:16] + page2)
+    again = mgr.alloc(16)
+    assert {b // BLOCKS_PER_PAGE for b in again} == {sorted(pages)[1]}
+    assert mgr.snapshot()["used_pages"] == 2
+
+
+def test_virtual_capacity_exhaustion_returns_none_and_changes_nothing(make_manager):
+    mgr = make_manager(num_blocks=64)
+    held = mgr.alloc(60)
+    before = mgr.snapshot()
+    assert mgr.alloc(5) is None
+    assert mgr.snapshot()["allocated_blocks"] == before["allocated_blocks"]
+    assert len(mgr.alloc(4)) == 4
+    assert mgr.alloc(1) is None
+    mgr.free(held)
+
+
+def test_available_size_matches_what_alloc_serves(make_manager):
+    mgr = make_manager(num_blocks=256)
+    assert mgr.available_size() == 256
+    mgr.alloc(10)
+    assert mgr.available_size() == 246
+    assert mgr.alloc(mgr.available_size()) is not None
+    assert mgr.available_size() == 0
+    assert mgr.alloc(1) is None
+
+
+def test_blocks_that_straddle_pages_are_never_handed_out(make_manager):
+    # 48 KiB blocks in 2 MiB pages: 42.67 blocks per page, so one block in every 3 pages straddles.
+    block = 48 * 1024
+    page = 2 * 1024 * 1024
+    mgr = make_manager(num_blocks=512, block_bytes=block, num_layers=1, num_kv_buffers=1)
+    ids = mgr.alloc(mgr.available_size())
+    assert ids is not None
+    for b in ids:
+        assert (b * block) // page == ((b + 1) * block - 1) // page, f"block {b} straddles a page"
+    straddling = [b for b in range(512) if (b * block) // page != ((b + 1) * block - 1) // page]
+    assert straddling and not set(straddling) & set(ids)
+    assert mgr.snapshot()["total_blocks"] == 512 - len(straddling)
+
+
+def test_double_free_and_foreign_ids_raise_and_change_nothing(make_manager):
+    mgr = make_manager()
+    ids = mgr.alloc(4)
+    mgr.free(ids[:1])
+    for bad in ([ids[0]], [ids[1], ids[1]], [ids[2], 5000], [-1], [ids[3], 1023]):
+        before = mgr.snapshot()["allocated_blocks"]
+        with pytest.raises(ValueError):
+            mgr.free(bad)
+        assert mgr.snapshot()["allocated_blocks"] == before
+    mgr.free(ids[1:])  # the rest are still allocated and free cleanly
+    assert mgr.snapshot()["allocated_blocks"] == 0
+
+
+def test_bad_alloc_counts_and_id_types(make_manager):
+    mgr = make_manager()
+    for count in (0, -1):
+        with pytest.raises(ValueError, match="positive"):
+            mgr.alloc(count)
+    with pytest.raises(TypeError):
+        mgr.alloc(1.5)
+    with pytest.raises(TypeError):
+        mgr.free(["3"])
+    with pytest.raises(TypeError):
+        mgr.free(7)
+    assert len(mgr.alloc(3)) == 3  # still usable
+
+
+def test_null_block_is_reserved(make_manager):
+    mgr = make_manager(reserve_null_block=True, num_blocks=64)
+    assert mgr.snapshot()["mapped_bytes"] == LOGICAL_PAGE  # its page is mapped from the start
+    ids = mgr.alloc(63)
+    assert 0 not in ids and len(ids) == 63
+    assert mgr.alloc(1) is None
+    with pytest.raises(ValueError, match="null block"):
+        mgr.free([0])
+    mgr.clear()
+    assert mgr.snapshot()["allocated_blocks"] == 0
+    assert 0 not in mgr.alloc(63)
+
+
+def test_freed_pages_beyond_the_reserve_are_unmapped(make_manager):
+    mgr = make_manager(reserved_pages=1)
+    ids = mgr.alloc(BLOCKS_PER_PAGE * 6)
+    assert mgr.snapshot()["mapped_bytes"] == 6 * LOGICAL_PAGE
+    mgr.free(ids)
+    assert wait_for(lambda: mgr.snapshot()["mapped_bytes"] == LOGICAL_PAGE)
+    assert mgr.trim() == LOGICAL_PAGE
+    assert mgr.snapshot()["mapped_bytes"] == 0
+
+
+def test_trim_keeps_pages_with_allocated_blocks(make_manager):
+    mgr = make_manager(reserved_pages=10, reclaim_delay_ms=10_000)
+    ids = mgr.alloc(BLOCKS_PER_PAGE * 3)
+    mgr.free(ids[BLOCKS_PER_PAGE:])  # page 0 stays full, pages 1-2 are empty
+    assert mgr.trim() == 2 * LOGICAL_PAGE
+    snap = mgr.snapshot()
+    assert snap["mapped_bytes"] == LOGICAL_PAGE and snap["allocated_blocks"] == BLOCKS_PER_PAGE
+
+
+def test_memory_limit_bounds_mapping_and_available_size(make_manager):
+    mgr = make_manager(reserved_pages=0)
+    result = mgr.set_memory_limit(2 * LOGICAL_PAGE)
+    assert result["status"] == "applied"
+    assert mgr.available_size() == 2 * BLOCKS_PER_PAGE
+    ids = mgr.alloc(2 * BLOCKS_PER_PAGE)
+    assert ids is not None
+    assert mgr.alloc(1) is None
+    assert mgr.snapshot()["mapped_bytes"] == 2 * LOGICAL_PAGE
+    mgr.set_memory_limit(None)
+    assert mgr.alloc(1) is not None
+
+
+def test_limit_below_use_is_deferred_and_completes_as_blocks_free(make_manager):
+    mgr = make_manager(reserved_pages=0)
+    ids = mgr.alloc(BLOCKS_PER_PAGE * 4)
+    result = mgr.set_memory_limit(2 * LOGICAL_PAGE)
+    assert result["status"] == "deferred"
+    assert mgr.snapshot()["allocated_blocks"] == BLOCKS_PER_PAGE * 4  # nothing taken back
+    assert mgr.alloc(1) is None and mgr.available_size() == 0  # allocation stops
+    mgr.free(ids[: BLOCKS_PER_PAGE * 2])
+    assert wait_for(lambda: mgr.snapshot()["mapped_bytes"] <= 2 * LOGICAL_PAGE)
+    mgr.free(ids[BLOCKS_PER_PAGE * 2 : BLOCKS_PER_PAGE * 3])
+    assert mgr.alloc(1) is not None  # under the cap again
+
+
+def test_limit_revisions(make_manager):
+    mgr = make_manager()
+    assert mgr.set_memory_limit(LOGICAL_PAGE * 4, revision=5)["status"] == "applied"
+    assert mgr.set_memory_limit(LOGICAL_PAGE * 8, revision=4)["status"] == "stale"
+    assert mgr.set_memory_limit(LOGICAL_PAGE * 8, revision=5)["status"] == "conflict"
+    assert mgr.set_memory_limit(LOGICAL_PAGE * 4, revision=5)["status"] == "applied"  # same value: idempotent
+    assert mgr.snapshot()["limit_bytes"] == LOGICAL_PAGE * 4
+    assert mgr.set_memory_limit(None)["revision"] == 6
+    for bad in (-1, 1.5, "2G", True):
+        with pytest.raises(ValueError):
+            mgr.set_memory_limit(bad)
+
+
+def test_clear_frees_everything(make_manager):
+    mgr = make_manager()
+    mgr.alloc(100)
+    mgr.clear()
+    assert mgr.snapshot()["allocated_blocks"] == 0
+    assert mgr.available_size() == 1024
+
+
+def test_close_is_idempotent_and_releases_everything(make_manager):
+    mgr = make_manager()
+    mgr.alloc(100)
+    mgr.close()
+    mgr.close()
+    assert mgr.closed
+    assert mgr.snapshot()["mapped_bytes"] == 0
+    assert mgr.available_size() == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.alloc(1)
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.free([1])
+    with mgr:  # usable as a context manager; closing again is harmless
+        pass

@@ -1,0 +1,111 @@
+"""The CUDA backend on a real GPU (skipped where no CUDA device is usable; CI has none).
+
+Run on the lent H200 by benchmarks/gpu/run_all.sh; results are kept in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import requires_cuda, wait_for
+
+import kvcached_core as kc
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def cuda_manager(settings):
+    made = []
+
+    def make(**kwargs):
+        params = dict(num_blocks=4096, block_bytes=64 * 1024, num_layers=2, num_kv_buffers=2, device="cuda:0")
+        params.update(kwargs)
+        params.setdefault("settings", settings)
+        mgr = kc.KVCacheManager(**params)
+        made.append(mgr)
+        return mgr
+
+    yield make
+    torch.cuda.synchronize()
+    for mgr in made:
+        mgr.close()
+
+
+def test_map_write_read_unmap(cuda_manager):
+    mgr = cuda_manager(reserved_pages=0)
+    kv = mgr.kv_tensors((64, 256), torch.float32)
+    assert kv[0][0].is_cuda and kv[0][0].shape == (4096, 64, 256)
+    ids = mgr.alloc(100)
+    idx = torch.tensor(ids, device="cuda")
+    for layer in range(2):
+        for k in range(2):
+            kv[layer][k][idx] = (idx.float() * 10 + layer * 2 + k).view(-1, 1, 1).expand(-1, 64, 256)
+    torch.cuda.synchronize()
+    for layer in range(2):
+        for k in range(2):
+            expect = (idx.float() * 10 + layer * 2 + k).view(-1, 1, 1)
+            assert torch.equal(kv[layer][k][idx], expect.expand(-1, 64, 256))
+    flat = mgr.buffer(1, 1)
+    b = ids[7]
+    assert torch.all(flat[b * 64 * 1024 : (b + 1) * 64 * 1024].view(torch.float32) == b * 10 + 3)
+    mapped = mgr.snapshot()["mapped_bytes"]
+    assert mapped > 0
+    mgr.free(ids)
+    torch.cuda.synchronize()
+    assert mgr.trim() == mapped
+    assert mgr.snapshot()["mapped_bytes"] == 0
+
+
+def test_data_survives_churn_on_gpu(cuda_manager):
+    gen = torch.Generator().manual_seed(1)
+    mgr = cuda_manager(reserved_pages=0, reclaim_delay_ms=0)
+    buf = mgr.buffer(0, 1).view(torch.int32).view(4096, -1)
+    held: dict[int, int] = {}
+    for round_ in range(40):
+        ids = mgr.alloc(int(torch.randint(1, 400, (1,), generator=gen))) or []
+        for b in ids:
+            held[b] = round_ * 100_000 + b
+        if ids:
+            idx = torch.tensor(ids, device="cuda")
+            buf[idx] = torch.tensor([held[b] for b in ids], device="cuda", dtype=torch.int32).view(-1, 1)
+        victims = [b for b in held if torch.rand(1, generator=gen).item() < 0.5]
+        torch.cuda.synchronize()
+        mgr.free(victims)
+        for b in victims:
+            del held[b]
+        if held:
+            keys = torch.tensor(list(held), device="cuda")
+            expect = torch.tensor(list(held.values()), device="cuda", dtype=torch.int32)
+            assert torch.equal(buf[keys].min(dim=1).values, expect)
+            assert torch.equal(buf[keys].max(dim=1).values, expect)
+
+
+def test_pool_refills_on_gpu(cuda_manager):
+    mgr = cuda_manager(pool_target=8, pool_max=8)
+    assert wait_for(lambda: mgr.snapshot()["pool_ready_handles"] == 8)
+    mgr.alloc(1)  # one logical page = 4 physical handles
+    assert wait_for(lambda: mgr.snapshot()["pool_ready_handles"] == 8)
+
+
+def test_physical_exhaustion_is_a_capacity_miss(cuda_manager):
+    free, _total = torch.cuda.mem_get_info()
+    hog = torch.empty(free - 512 * MiB, dtype=torch.uint8, device="cuda")  # another user takes the device
+    try:
+        mgr = cuda_manager(num_blocks=1 << 16, block_bytes=256 * 1024, num_layers=1, num_kv_buffers=1, pool_target=0)
+        got = []
+        while True:
+            ids = mgr.alloc(64)
+            if ids is None:
+                break
+            got.extend(ids)
+            assert len(got) < (1 << 16), "never ran out of physical memory"
+        assert 0 < len(got) * 256 * 1024 <= 512 * MiB
+        assert mgr.available_size() < 64 * 4  # it knows the device is full
+        mgr.free(got)
+    finally:
+        del hog
+        torch.cuda.empty_cache()

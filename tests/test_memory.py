@@ -1,0 +1,158 @@
+"""Memory is real: data survives churn, RSS follows mapping, and the host budget is shared by processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import rss_bytes, wait_for
+
+import kvcached_core as kc
+
+MiB = 1024 * 1024
+
+
+def test_rss_rises_on_map_and_falls_on_unmap(make_manager):
+    mgr = make_manager(num_blocks=4096, num_layers=4, reserved_pages=0, pool_target=0)
+    base = rss_bytes()
+    ids = mgr.alloc(2048)  # 64 pages x 8 buffers x 2 MiB = 1 GiB of host memory
+    mapped = mgr.snapshot()["mapped_bytes"]
+    assert mapped == 1024 * MiB
+    grown = rss_bytes()
+    assert grown - base >= 0.9 * mapped, (base, grown)
+    mgr.free(ids)
+    mgr.trim()
+    assert mgr.snapshot()["mapped_bytes"] == 0
+    assert rss_bytes() - base < 0.1 * mapped
+
+
+def test_data_survives_alloc_free_map_unmap_churn(make_manager):
+    gen = torch.Generator().manual_seed(0)
+    mgr = make_manager(num_blocks=2048, block_bytes=16 * 1024, reserved_pages=0, reclaim_delay_ms=0)
+    kv = mgr.kv_tensors((16, 256), torch.float32)  # per-layer K and V views
+    flat = mgr.buffer(1, 1)  # the same memory seen as one flat backing buffer
+    held: dict[int, float] = {}
+    for round_ in range(30):
+        ids = mgr.alloc(int(torch.randint(1, 300, (1,), generator=gen)))
+        if ids is None:
+            ids = []
+        for b in ids:
+            value = float(round_ * 10_000 + b)
+            for layer in range(2):
+                for k in range(2):
+                    kv[layer][k][b].fill_(value)
+            held[b] = value
+        # Free a random half of what is held: pages empty out and are unmapped under the survivors.
+        victims = [b for b in held if torch.rand(1, generator=gen).item() < 0.5]
+        mgr.free(victims)
+        for b in victims:
+            del held[b]
+        for b, value in held.items():
+            for layer in range(2):
+                for k in range(2):
+                    assert torch.all(kv[layer][k][b] == value), f"block {b} layer {layer} kv {k} lost its data"
+            raw = flat[b * 16 * 1024 : (b + 1) * 16 * 1024].view(torch.float32)
+            assert torch.all(raw == value)
+    assert mgr.snapshot()["allocated_blocks"] == len(held)
+
+
+def test_kv_tensors_reject_shapes_that_do_not_match_the_block(make_manager):
+    mgr = make_manager()
+    with pytest.raises(ValueError, match="bytes"):
+        mgr.kv_tensors((16, 255), torch.float32)
+    with pytest.raises(ValueError, match="layer"):
+        mgr.buffer(5, 0)
+
+
+def test_views_keep_address_space_reserved_after_close(make_manager):
+    mgr = make_manager()
+    view = mgr.buffer(0, 0)
+    mgr.close()  # physical memory goes; the view's address range stays reserved until the view dies
+    assert view.numel() == 1024 * 64 * 1024
+    del view
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time, kvcached_core as kc
+    s = kc.load_settings({}, runtime_dir=sys.argv[1], host_device_bytes=int(sys.argv[2]), reclaim_delay_ms=10)
+    m = kc.KVCacheManager(1024, 64 * 1024, 2, 2, device="cpu", settings=s, reserved_pages=0, pool_target=0)
+    ids = m.alloc(int(sys.argv[3]))
+    print("held" if ids else "miss", m.snapshot()["mapped_bytes"], flush=True)
+    sys.stdin.readline()      # hold until told
+    if ids: m.free(ids)
+    time.sleep(0.3)
+    print("freed", m.snapshot()["mapped_bytes"], flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def start_holder(runtime: str, budget: int, blocks: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, runtime, str(budget), str(blocks)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=runtime.rsplit("/", 1)[0],  # not the checkout: import the installed package
+    )
+    return proc
+
+
+def test_host_budget_is_shared_between_processes(tmp_path, settings):
+    runtime = str(tmp_path / "rt")
+    budget = 64 * MiB  # 8 logical pages of 8 MiB
+    other = start_holder(runtime, budget, 32 * 6)  # takes 6 pages = 48 MiB
+    try:
+        assert other.stdout.readline().split() == ["held", str(48 * MiB)]
+        s = kc.load_settings({}, runtime_dir=runtime, host_device_bytes=budget, reclaim_delay_ms=10)
+        mgr = kc.KVCacheManager(1024, 64 * 1024, 2, 2, device="cpu", settings=s, reserved_pages=0, pool_target=0)
+        try:
+            assert mgr.alloc(32 * 3) is None  # 3 pages do not fit next to the other's 6: a miss, no crash
+            mine = mgr.alloc(32 * 2)
+            assert mine is not None
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.stdout.readline().split() == ["freed", "0"]
+            more = mgr.alloc(32 * 6)  # the memory the other process gave back
+            assert more is not None
+            assert mgr.snapshot()["mapped_bytes"] == budget
+        finally:
+            mgr.close()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_budget_held_by_a_killed_process_comes_back(tmp_path):
+    runtime = str(tmp_path / "rt")
+    budget = 64 * MiB
+    other = start_holder(runtime, budget, 32 * 8)  # the whole budget
+    assert other.stdout.readline().split() == ["held", str(budget)]
+    s = kc.load_settings({}, runtime_dir=runtime, host_device_bytes=budget, reclaim_delay_ms=10)
+    mgr = kc.KVCacheManager(1024, 64 * 1024, 2, 2, device="cpu", settings=s, reserved_pages=0, pool_target=0)
+    try:
+        assert mgr.alloc(1) is None
+        os.kill(other.pid, signal.SIGKILL)
+        other.wait()
+        assert mgr.alloc(32 * 8) is not None  # the dead owner's share counts as free at once
+    finally:
+        mgr.close()
+    ledger = os.path.join(runtime, "host-device.ledger")
+    assert os.stat(ledger).st_mode & 0o777 == 0o600
+    assert os.stat(runtime).st_mode & 0o777 == 0o700
+
+
+def test_pool_thread_keeps_handles_ready(make_manager):
+    mgr = make_manager(pool_target=6, pool_max=6)
+    assert wait_for(lambda: mgr.snapshot()["pool_ready_handles"] == 6)
+    mgr.alloc(1)  # maps one logical page = 4 handles from the pool
+    assert wait_for(lambda: mgr.snapshot()["pool_ready_handles"] == 6)  # refilled in the background
+    idle = make_manager(pool_target=0)
+    assert idle.snapshot()["pool_ready_handles"] == 0
+    assert idle.alloc(1) is not None  # without a pool the page is created on the path
