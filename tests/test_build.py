@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,36 @@ def test_available_backends_and_reason_agree():
 
 def test_version():
     assert kc.__version__ == "0.1.0"
+
+
+def test_builds_and_runs_without_cuda_headers(tmp_path):
+    """Configure and build the checkout as on a machine without cuda.h, then use the result."""
+    import pybind11
+
+    repo = Path(__file__).resolve().parent.parent
+    build = tmp_path / "build"
+    configure = [
+        "cmake",
+        "-S",
+        str(repo),
+        "-B",
+        str(build),
+        "-DKVCACHED_DISABLE_CUDA=ON",
+        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+        f"-DPython_EXECUTABLE={sys.executable}",
+    ]
+    log = subprocess.run(configure, capture_output=True, text=True)
+    assert log.returncode == 0, log.stdout + log.stderr
+    assert "building the host backend only" in log.stdout
+    log = subprocess.run(["cmake", "--build", str(build), "-j2"], capture_output=True, text=True)
+    assert log.returncode == 0, log.stdout + log.stderr
+    package = tmp_path / "site" / "kvcached_core"
+    shutil.copytree(repo / "kvcached_core", package)
+    for built in build.glob("_native*.so"):
+        shutil.copy(built, package)
+    code = "import kvcached_core as kc; print(kc.available_backends()); print(kc.cuda_unavailable_reason())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path / "site", check=True
+    ).stdout.splitlines()
+    assert out[0] == "['host']"
+    assert "built without CUDA headers" in out[1]

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <limits>
 
 #include "common/errors.h"
 
@@ -97,6 +98,10 @@ void HostBackend::release(PhysHandle handle, std::size_t bytes) noexcept {
 
 void HostBackend::zero(std::uintptr_t addr, std::size_t bytes) {
   std::memset(reinterpret_cast<void*>(addr), 0, bytes);
+}
+
+std::size_t HostBackend::allocatable_bytes() {
+  return budget_ ? mem_info().free_bytes : std::numeric_limits<std::size_t>::max() / 2;
 }
 
 MemInfo HostBackend::mem_info() {

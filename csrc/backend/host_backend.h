@@ -38,6 +38,9 @@ class HostBackend final : public MemoryBackend {
   void fence() override {}
   void zero(std::uintptr_t addr, std::size_t bytes) override;
   MemInfo mem_info() override;
+  // Without a budget the OS decides (overcommit, cgroups): no figure read ahead is trustworthy, so the
+  // allocator treats host memory as unbounded and learns of exhaustion from a failed create().
+  std::size_t allocatable_bytes() override;
 
  private:
   std::size_t granularity_;

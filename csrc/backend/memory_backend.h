@@ -60,6 +60,9 @@ class MemoryBackend {
 
   // Free and total physical memory of the device. Not on the hot path: callers cache it.
   virtual MemInfo mem_info() = 0;
+
+  // How much more create() can be expected to give: free device memory for CUDA and for a host budget.
+  virtual std::size_t allocatable_bytes() { return mem_info().free_bytes; }
 };
 
 }  // namespace kvcached

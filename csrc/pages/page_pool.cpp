@@ -1,8 +1,16 @@
 #include "pages/page_pool.h"
 
+#include <algorithm>
 #include <chrono>
 
 namespace kvcached {
+
+namespace {
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
 
 PagePool::PagePool(std::shared_ptr<MemoryBackend> backend, const PagePoolConfig& config)
     : backend_(std::move(backend)), config_(config) {
@@ -15,26 +23,26 @@ PagePool::~PagePool() { shutdown(); }
 
 void PagePool::refresh_free_bytes() {
   try {
-    free_bytes_.store(backend_->mem_info().free_bytes, std::memory_order_relaxed);
+    free_bytes_.store(backend_->allocatable_bytes(), std::memory_order_relaxed);
   } catch (...) {
     // A failed query leaves the previous estimate; the next create reports any real failure.
   }
 }
 
 std::optional<PhysHandle> PagePool::take() {
+  // No wake-up for the thread: it polls, and refills only once takes have stopped (see the header).
+  last_take_ns_.store(now_ns(), std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!handles_.empty()) {
       PhysHandle h = handles_.back();
       handles_.pop_back();
       ready_count_.store(handles_.size(), std::memory_order_relaxed);
-      if (handles_.size() < config_.target) cv_.notify_one();
       return h;
     }
   }
   auto h = backend_->create(config_.handle_bytes);
   if (!h) free_bytes_.store(0, std::memory_order_relaxed);
-  cv_.notify_one();
   return h;
 }
 
@@ -52,10 +60,12 @@ void PagePool::give_back(PhysHandle handle) {
 
 void PagePool::run() {
   using namespace std::chrono;
+  const std::int64_t idle_ns = std::int64_t{config_.refill_idle_us} * 1000;
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
-    bool short_of_target = handles_.size() < config_.target;
-    if (short_of_target) {
+    const std::int64_t quiet_ns = now_ns() - last_take_ns_.load(std::memory_order_relaxed);
+    const bool short_of_target = handles_.size() < config_.target;
+    if (short_of_target && quiet_ns >= idle_ns) {
       lock.unlock();
       std::optional<PhysHandle> h;
       try {
@@ -63,7 +73,7 @@ void PagePool::run() {
       } catch (...) {
         h.reset();  // a driver error here is reported by the allocation that needs the page
       }
-      refresh_free_bytes();
+      if (!h) refresh_free_bytes();
       lock.lock();
       if (h) {
         if (stop_) {
@@ -76,10 +86,16 @@ void PagePool::run() {
         }
         continue;
       }
-      // Device full (another engine holds the memory): wait before trying again.
+      // The device is full (another engine holds the memory): try again after a pause.
+      cv_.wait_for(lock, milliseconds(config_.refresh_ms));
+      continue;
+    }
+    if (short_of_target) {
+      cv_.wait_for(lock, nanoseconds(std::max<std::int64_t>(idle_ns - quiet_ns, 100000)));
+      continue;
     }
     cv_.wait_for(lock, milliseconds(config_.refresh_ms));
-    if (!stop_ && handles_.size() >= config_.target) {
+    if (!stop_ && now_ns() - last_take_ns_.load(std::memory_order_relaxed) >= idle_ns) {
       lock.unlock();
       refresh_free_bytes();
       lock.lock();

@@ -1,6 +1,8 @@
 // PagePool: physical handles created ahead of need, so making a page usable costs map + access only.
 //
 // A background thread keeps `target` handles ready (0 disables the thread: every take() then creates).
+// It refills only once no handle has been taken for `refill_idle_us`: the driver serializes VMM calls, so
+// a cuMemCreate running beside a burst of mappings would slow each of them by its own cost.
 // Handles given back beyond `max_pooled` are released to the device. The thread is pure C++: it never
 // touches the Python interpreter, so it cannot deadlock with the GIL.
 #pragma once
@@ -23,6 +25,7 @@ struct PagePoolConfig {
   std::size_t target = 0;         // ready handles the thread keeps; 0 = no thread
   std::size_t max_pooled = 0;     // bound on handles kept; extras are released
   int refresh_ms = 20;            // how often the cached free-memory figure is refreshed
+  int refill_idle_us = 1000;      // quiet time after the last take() before the thread creates handles
 };
 
 class PagePool {
@@ -39,7 +42,8 @@ class PagePool {
 
   // Handles that take() could return without creating (atomic read, never blocks).
   std::size_t ready() const noexcept { return ready_count_.load(std::memory_order_relaxed); }
-  // Device free memory as last read by the pool thread (or by the last create failure).
+  // Memory the device could still give (MemoryBackend::allocatable_bytes), as last read by the pool
+  // thread or zeroed by the last create failure.
   std::size_t cached_free_bytes() const noexcept { return free_bytes_.load(std::memory_order_relaxed); }
   // Re-reads free memory now (driver call). For callers off the hot path.
   void refresh_free_bytes();
@@ -59,6 +63,7 @@ class PagePool {
   std::vector<PhysHandle> handles_;
   std::atomic<std::size_t> ready_count_{0};
   std::atomic<std::size_t> free_bytes_{0};
+  std::atomic<std::int64_t> last_take_ns_{0};
   bool stop_ = false;
   std::thread thread_;
 };
