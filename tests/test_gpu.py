@@ -91,6 +91,15 @@ def test_pool_refills_on_gpu(cuda_manager):
     assert wait_for(lambda: mgr.snapshot()["pool_ready_handles"] == 8)
 
 
+def test_idle_pool_shrinks_back_to_its_target(cuda_manager):
+    mgr = cuda_manager(pool_target=2, pool_max=64, reserved_pages=0, reclaim_delay_ms=0)
+    ids = mgr.alloc(32 * 8)  # 8 logical pages = 32 physical handles
+    mgr.free(ids)
+    mgr.trim()  # unmapped handles go back to the pool, up to pool_max
+    assert mgr.snapshot()["pool_ready_handles"] > 2
+    assert wait_for(lambda: mgr.snapshot()["pool_ready_handles"] == 2, timeout=3.0)
+
+
 def test_physical_exhaustion_is_a_capacity_miss(cuda_manager):
     free, _total = torch.cuda.mem_get_info()
     hog = torch.empty(free - 512 * MiB, dtype=torch.uint8, device="cuda")  # another user takes the device

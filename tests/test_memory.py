@@ -129,6 +129,11 @@ def test_host_budget_is_shared_between_processes(tmp_path, settings):
         other.wait()
 
 
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_budget_held_by_a_killed_process_comes_back(tmp_path):
     runtime = str(tmp_path / "rt")
     budget = 64 * MiB
@@ -139,10 +144,11 @@ def test_budget_held_by_a_killed_process_comes_back(tmp_path):
     try:
         assert mgr.alloc(1) is None
         os.kill(other.pid, signal.SIGKILL)
-        other.wait()
+        assert wait_for(lambda: proc_state(other.pid) == "Z")  # dead, not yet reaped by its parent
         assert mgr.alloc(32 * 8) is not None  # the dead owner's share counts as free at once
     finally:
         mgr.close()
+        other.wait()
     ledger = os.path.join(runtime, "host-device.ledger")
     assert os.stat(ledger).st_mode & 0o777 == 0o600
     assert os.stat(runtime).st_mode & 0o777 == 0o700

@@ -38,4 +38,8 @@ for device in cpu cuda; do
     > "$out/alloc_free_$device.log" 2>&1 || status=1
   tail -5 "$out/alloc_free_$device.log"
 done
+echo "== demo"
+(cd /tmp && "$py" "$repo/examples/00_two_processes/run.py" --device cuda --plot "$out/demo_cuda.png") \
+  > "$out/demo_cuda.log" 2>&1 || status=1
+tail -4 "$out/demo_cuda.log"
 exit $status

@@ -1,7 +1,6 @@
 #include "backend/host_budget.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -9,10 +8,9 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "common/errors.h"
+#include "common/process.h"
 
 namespace kvcached {
 
@@ -49,26 +47,6 @@ struct HostBudget::Ledger {
   std::uint32_t num_slots;
   Slot slots[kSlots];
 };
-
-std::uint64_t process_start_time(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  // The command name (field 2) may hold spaces and parentheses: fields restart after the last ')'.
-  auto close = text.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream rest(text.substr(close + 2));
-  std::string field;
-  for (int i = 3; i <= 22; ++i) {
-    if (!(rest >> field)) return 0;
-  }
-  return std::strtoull(field.c_str(), nullptr, 10);
-}
-
-bool process_alive(int pid, std::uint64_t start_time) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno != EPERM) return false;
-  return start_time == 0 || process_start_time(pid) == start_time;
-}
 
 HostBudget::HostBudget(const std::string& path, std::size_t capacity_bytes)
     : path_(path), capacity_(capacity_bytes) {

@@ -42,9 +42,4 @@ class HostBudget {
   Slot* mine_ = nullptr;
 };
 
-// Start time of process `pid` in clock ticks since boot (field 22 of /proc/PID/stat); 0 if unknown.
-std::uint64_t process_start_time(int pid);
-// True when `pid` runs and started at `start_time` (so a reused pid is not mistaken for its old owner).
-bool process_alive(int pid, std::uint64_t start_time);
-
 }  // namespace kvcached

@@ -385,26 +385,24 @@ void BlockAllocator::unmap_pages(const std::vector<std::int32_t>& victims) {
   } catch (const std::exception& e) {
     record_error(e.what());
   }
-  std::vector<PageState> outcome(victims.size(), PageState::kUnmapped);
-  for (std::size_t v = 0; v < victims.size(); ++v) {
-    const std::size_t page_id = static_cast<std::size_t>(victims[v]);
+  for (const std::int32_t page_id : victims) {
+    const auto p = static_cast<std::size_t>(page_id);
+    PageState outcome = PageState::kUnmapped;
     for (std::size_t i = 0; i < n; ++i) {
       try {
-        backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + page_id * page_bytes_, page_bytes_);
-        if (backend_->handle_survives_unmap()) pool_->give_back(handles_[page_id * n + i]);
+        backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + p * page_bytes_, page_bytes_);
+        if (backend_->handle_survives_unmap()) pool_->give_back(handles_[p * n + i]);
       } catch (const std::exception& e) {
         record_error(e.what());
-        outcome[v] = PageState::kBroken;  // never reuse a page in an unknown state
+        outcome = PageState::kBroken;  // never reuse a page in an unknown state
       }
     }
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  for (std::size_t v = 0; v < victims.size(); ++v) {
-    Page& page = pages_[static_cast<std::size_t>(victims[v])];
-    page.state = outcome[v];
+    // Page by page, so mapped_bytes never lags memory already given back (another engine may hold it).
+    std::lock_guard<std::mutex> lock(mu_);
+    pages_[p].state = outcome;
     bump(mapped_pages_, std::int64_t{-1});
-    if (outcome[v] == PageState::kUnmapped) {
-      unmapped_.push_back(victims[v]);
+    if (outcome == PageState::kUnmapped) {
+      unmapped_.push_back(page_id);
       bump(unmapped_pages_, std::int64_t{1});
     }
   }

@@ -15,6 +15,7 @@ std::int64_t now_ns() {
 PagePool::PagePool(std::shared_ptr<MemoryBackend> backend, const PagePoolConfig& config)
     : backend_(std::move(backend)), config_(config) {
   if (config_.max_pooled < config_.target) config_.max_pooled = config_.target;
+  if (config_.target == 0) config_.max_pooled = 0;  // no pool at all: handles are released on give-back
   refresh_free_bytes();
   if (config_.target > 0) thread_ = std::thread([this] { run(); });
 }
@@ -95,11 +96,18 @@ void PagePool::run() {
       continue;
     }
     cv_.wait_for(lock, milliseconds(config_.refresh_ms));
-    if (!stop_ && now_ns() - last_take_ns_.load(std::memory_order_relaxed) >= idle_ns) {
-      lock.unlock();
-      refresh_free_bytes();
-      lock.lock();
+    const std::int64_t quiet_now = now_ns() - last_take_ns_.load(std::memory_order_relaxed);
+    if (stop_ || quiet_now < idle_ns) continue;
+    std::vector<PhysHandle> extra;
+    if (quiet_now >= std::int64_t{config_.release_idle_ms} * 1000000 && handles_.size() > config_.target) {
+      extra.assign(handles_.begin() + static_cast<std::ptrdiff_t>(config_.target), handles_.end());
+      handles_.resize(config_.target);
+      ready_count_.store(handles_.size(), std::memory_order_relaxed);
     }
+    lock.unlock();
+    for (PhysHandle h : extra) backend_->release(h, config_.handle_bytes);
+    refresh_free_bytes();
+    lock.lock();
   }
 }
 

@@ -3,7 +3,8 @@
 // A background thread keeps `target` handles ready (0 disables the thread: every take() then creates).
 // It refills only once no handle has been taken for `refill_idle_us`: the driver serializes VMM calls, so
 // a cuMemCreate running beside a burst of mappings would slow each of them by its own cost.
-// Handles given back beyond `max_pooled` are released to the device. The thread is pure C++: it never
+// Handles given back beyond `max_pooled` are released to the device, and once no handle has been taken for
+// `release_idle_ms` the pool shrinks back to `target`: an idle engine keeps no more than it promised. The thread is pure C++: it never
 // touches the Python interpreter, so it cannot deadlock with the GIL.
 #pragma once
 
@@ -26,6 +27,7 @@ struct PagePoolConfig {
   std::size_t max_pooled = 0;     // bound on handles kept; extras are released
   int refresh_ms = 20;            // how often the cached free-memory figure is refreshed
   int refill_idle_us = 1000;      // quiet time after the last take() before the thread creates handles
+  int release_idle_ms = 1000;     // quiet time after which handles beyond `target` are released
 };
 
 class PagePool {

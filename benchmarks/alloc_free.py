@@ -1,0 +1,493 @@
+"""Microbenchmark of the kvcached-core hot path and of the page map/unmap path.
+
+Run it from the repository root with the package installed::
+
+    python benchmarks/alloc_free.py --device cpu --json --out benchmarks/results/alloc_free_cpu.json
+    python benchmarks/alloc_free.py --device cuda:0 --json
+
+What it measures, all through ``kvcached_core.KVCacheManager``:
+
+* ``pair_us``: one ``free(alloc(k))`` pair from Python for k = 1, 16, 128 blocks on pages that are
+  already mapped (the steady state of a serving engine). Timed in batches with ``perf_counter_ns``;
+  the per-pair time of each batch is one sample. ``pair_loop_baseline_us`` is the same loop calling
+  trivial builtins instead: it shows the interpreter's share, and is *not* subtracted from the headline.
+* ``available_size_us``: one ``available_size()`` call (same batch method; its baseline is
+  ``available_size_loop_baseline_us``).
+* ``page_usable_warm_us`` / ``page_usable_cold_us``: one ``alloc(1)`` that has to map one new physical
+  page, with the pool thread's handles ready (warm) or with no pool (cold: the handle is created on the
+  caller's path). Calls run back to back, like the driver floor's.
+* ``page_unmap_us``: one ``trim()`` that fences and unmaps one empty page.
+* ``footprint``: mapped vs used bytes while blocks are held, after freeing them, and after ``trim()``.
+* ``driver_floor_us`` (CUDA only): bare cuMemMap + cuMemSetAccess for one page, measured in the same run,
+  and ``map_to_floor_ratio`` = warm page-usable median / that floor.
+
+With ``--json`` the result is printed as JSON; otherwise as a short table. ``--out FILE`` always writes
+JSON. The garbage collector is disabled inside timed loops (as ``timeit`` does). The whole run takes a
+few seconds on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import kvcached_core
+from kvcached_core import KVCacheManager
+from kvcached_core.backends import get_backend, parse_device
+from kvcached_core.config import load_settings
+
+PAIR_SIZES: tuple[tuple[int, int], ...] = ((1, 20000), (16, 5000), (128, 1000))  # (k, iterations/batch)
+AVAILABLE_SIZE_ITERATIONS = 100000
+PAIR_NUM_BLOCKS = 65536
+PAIR_BLOCK_BYTES = 16384
+PAIR_RESERVED_PAGES = 64
+FOOTPRINT_BLOCKS = 1000
+POOL_TARGET = 64
+POOL_WAIT_TIMEOUT_S = 30.0
+FLOOR_ITERATIONS = 32
+LONG_RECLAIM_DELAY_MS = 600_000  # keeps the background reclaimer out of the unmap measurement
+
+# ---- statistics -----------------------------------------------------------------------------------
+
+
+def summarize(samples_us: Sequence[float]) -> dict[str, float | int]:
+    """Median and p99 (linear interpolation; with few samples p99 is close to the worst) of samples."""
+    ordered = sorted(samples_us)
+    rank = 0.99 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    p99 = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return {
+        "median": round(statistics.median(ordered), 4),
+        "p99": round(p99, 4),
+        "min": round(ordered[0], 4),
+        "samples": len(ordered),
+    }
+
+
+# ---- timed loops ----------------------------------------------------------------------------------
+
+
+def time_pair_batches(
+    alloc: Callable[[int], Any], free: Callable[[Any], Any], k: int, iterations: int, batches: int
+) -> list[float]:
+    """Per-call microseconds of ``free(alloc(k))``, one sample per batch of ``iterations`` calls.
+
+    Pair and baseline share this exact loop, so their difference is only the callee.
+    """
+    samples: list[float] = []
+    clock = time.perf_counter_ns
+    loop = range(iterations)
+    gc.disable()
+    try:
+        for _ in range(batches):
+            start = clock()
+            for _ in loop:
+                free(alloc(k))
+            samples.append((clock() - start) / iterations / 1000.0)
+    except TypeError as exc:  # free(None): alloc failed inside the loop
+        raise RuntimeError(f"alloc({k}) returned None inside the timed loop on mapped pages: {exc}") from exc
+    finally:
+        gc.enable()
+    return samples
+
+
+def time_call_batches(call: Callable[[], Any], iterations: int, batches: int) -> list[float]:
+    """Per-call microseconds of ``call()``, one sample per batch of ``iterations`` calls."""
+    samples: list[float] = []
+    clock = time.perf_counter_ns
+    loop = range(iterations)
+    gc.disable()
+    try:
+        for _ in range(batches):
+            start = clock()
+            for _ in loop:
+                call()
+            samples.append((clock() - start) / iterations / 1000.0)
+    finally:
+        gc.enable()
+    return samples
+
+
+def time_once_us(call: Callable[[], Any]) -> tuple[float, Any]:
+    """Microseconds taken by one ``call()`` and its result."""
+    start = time.perf_counter_ns()
+    result = call()
+    return (time.perf_counter_ns() - start) / 1000.0, result
+
+
+# ---- managers -------------------------------------------------------------------------------------
+
+
+def make_pair_manager(device: str) -> KVCacheManager:
+    """The hot-path manager: 16 KiB blocks, 2 buffers, a reserve large enough that pages stay mapped."""
+    return KVCacheManager(
+        num_blocks=PAIR_NUM_BLOCKS,
+        block_bytes=PAIR_BLOCK_BYTES,
+        num_layers=1,
+        num_kv_buffers=2,
+        device=device,
+        name="bench-pair",
+        page_bytes=0,
+        reserved_pages=PAIR_RESERVED_PAGES,
+        reclaim_delay_ms=LONG_RECLAIM_DELAY_MS,
+        pool_target=4,
+        pool_max=16,
+    )
+
+
+def make_page_manager(
+    device: str, page_bytes: int, num_blocks: int, *, pool_target: int, pool_max: int, reserved_pages: int
+) -> KVCacheManager:
+    """A manager whose block is exactly one page in one buffer, so every alloc(1) maps one physical page."""
+    return KVCacheManager(
+        num_blocks=num_blocks,
+        block_bytes=page_bytes,
+        num_layers=1,
+        num_kv_buffers=1,
+        device=device,
+        name="bench-page",
+        page_bytes=page_bytes,
+        reserved_pages=reserved_pages,
+        reclaim_delay_ms=LONG_RECLAIM_DELAY_MS,
+        pool_target=pool_target,
+        pool_max=pool_max,
+    )
+
+
+def checked_alloc(mgr: KVCacheManager, count: int, why: str) -> list[int]:
+    """``mgr.alloc(count)``, raising with the snapshot when it unexpectedly returns None or a wrong list."""
+    ids = mgr.alloc(count)
+    if ids is None or len(ids) != count:
+        raise RuntimeError(f"alloc({count}) for {why} returned {ids!r}; snapshot: {mgr.snapshot()}")
+    return ids
+
+
+def wait_for_pool(mgr: KVCacheManager, target: int, timeout_s: float = POOL_WAIT_TIMEOUT_S) -> None:
+    """Poll until the pool thread holds ``target`` ready handles; raise after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while mgr.snapshot()["pool_ready_handles"] < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"pool did not reach {target} ready handles in {timeout_s} s; snapshot: {mgr.snapshot()}"
+            )
+        time.sleep(0.001)
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+
+
+def warm_up_pages(mgr: KVCacheManager, blocks: int) -> None:
+    """Allocate and free ``blocks`` so their pages are mapped and stay mapped (within the reserve)."""
+    mgr.free(checked_alloc(mgr, blocks, "warm-up"))
+
+
+def measure_pairs(mgr: KVCacheManager, batches: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``free(alloc(k))`` per pair for each k, and the same loop over trivial builtins (abs, id)."""
+    alloc, free = mgr.alloc, mgr.free
+    pairs: dict[str, Any] = {}
+    baselines: dict[str, Any] = {}
+    for k, iterations in PAIR_SIZES:
+        free(checked_alloc(mgr, k, f"pair k={k} check"))
+        time_pair_batches(alloc, free, k, iterations // 10, 2)  # warm caches and branch predictors
+        pairs[str(k)] = summarize(time_pair_batches(alloc, free, k, iterations, batches))
+        pairs[str(k)]["iterations_per_batch"] = iterations
+        baselines[str(k)] = summarize(time_pair_batches(abs, id, k, iterations, batches))
+    return pairs, baselines
+
+
+def measure_available_size(mgr: KVCacheManager, batches: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``available_size()`` per call, and a bound no-argument builtin method as the loop baseline."""
+    call = mgr.available_size
+    time_call_batches(call, AVAILABLE_SIZE_ITERATIONS // 10, 2)
+    result = summarize(time_call_batches(call, AVAILABLE_SIZE_ITERATIONS, batches))
+    result["iterations_per_batch"] = AVAILABLE_SIZE_ITERATIONS
+    baseline = summarize(time_call_batches((0).bit_length, AVAILABLE_SIZE_ITERATIONS, batches))
+    return result, baseline
+
+
+def measure_page_usable(device: str, page_bytes: int, samples: int, *, warm: bool) -> dict[str, Any]:
+    """Microseconds of an alloc(1) that maps one new page, with a full pool (warm) or no pool (cold).
+
+    The calls run back to back, as the driver floor's calls do (here, a pause of a millisecond before
+    each call made it up to several times slower, so spaced-out calls would not compare with the
+    floor). Warm: the pool is filled once to a target of at least every call made, so each call takes a
+    ready handle, as after a quiet spell in serving. Cold: no pool thread, so each call creates its
+    physical memory on the caller's path.
+    """
+    warmup = 2
+    target = max(POOL_TARGET, samples + warmup) if warm else 0
+    mgr = make_page_manager(device, page_bytes, samples + warmup, pool_target=target, pool_max=target, reserved_pages=0)
+    try:
+        if warm:
+            wait_for_pool(mgr, target)
+        alloc, clock = mgr.alloc, time.perf_counter_ns
+        times: list[float] = []
+        for i in range(samples + warmup):
+            start = clock()
+            ids = alloc(1)
+            elapsed = (clock() - start) / 1000.0
+            if ids is None:
+                raise RuntimeError(f"alloc(1) #{i} (a new page) returned None; snapshot: {mgr.snapshot()}")
+            if i >= warmup:
+                times.append(elapsed)
+        mapped = mgr.snapshot()["mapped_pages"]
+        if mapped != samples + warmup:
+            raise RuntimeError(f"expected {samples + warmup} mapped pages after as many alloc(1): {mapped}")
+        result = summarize(times)
+        result["pool_target"] = target
+        return result
+    finally:
+        mgr.close()
+
+
+def measure_page_unmap(device: str, page_bytes: int, samples: int) -> dict[str, Any]:
+    """Microseconds of a ``trim()`` that fences and unmaps exactly one empty page.
+
+    The pool is back at its target before each timed call, so the pool thread creating a handle (which
+    competes for the CPU and, on the host, for the process's address space) does not overlap it.
+    """
+    pool_target = 4
+    mgr = make_page_manager(device, page_bytes, 2, pool_target=pool_target, pool_max=16, reserved_pages=0)
+    expected = page_bytes  # one buffer per page
+    try:
+        times: list[float] = []
+        for i in range(samples + 2):
+            mgr.free(checked_alloc(mgr, 1, "unmap sample"))
+            wait_for_pool(mgr, pool_target)
+            elapsed, unmapped = time_once_us(mgr.trim)
+            if unmapped != expected:
+                raise RuntimeError(f"trim() #{i} unmapped {unmapped} bytes, expected {expected}")
+            if i >= 2:
+                times.append(elapsed)
+        return summarize(times)
+    finally:
+        mgr.close()
+
+
+def footprint_entry(mgr: KVCacheManager) -> dict[str, int]:
+    """The occupancy figures of one snapshot that describe the memory footprint."""
+    snap = mgr.snapshot()
+    keys = ("allocated_blocks", "mapped_pages", "used_pages", "mapped_bytes", "used_bytes")
+    return {key: snap[key] for key in keys}
+
+
+def measure_footprint(mgr: KVCacheManager, blocks: int) -> dict[str, Any]:
+    """Mapped vs used bytes while ``blocks`` are held, after freeing them, and after ``trim()``."""
+    ids = checked_alloc(mgr, blocks, "footprint")
+    holding = footprint_entry(mgr)
+    holding["mapped_over_used"] = round(holding["mapped_bytes"] / holding["used_bytes"], 4)
+    mgr.free(ids)
+    after_free = footprint_entry(mgr)
+    trimmed_bytes = mgr.trim()
+    after_trim = footprint_entry(mgr)
+    after_trim["trim_returned_bytes"] = trimmed_bytes
+    return {"holding": holding, "after_free": after_free, "after_free_and_trim": after_trim}
+
+
+def measure_driver_floor(device_index: int, page_bytes: int) -> dict[str, Any]:
+    """Median microseconds of each bare driver call for one page; ``floor_us`` = cuMemMap + cuMemSetAccess."""
+    raw = kvcached_core._native._cuda_driver_floor(device_index, page_bytes, FLOOR_ITERATIONS)
+    medians: dict[str, Any] = {name: round(statistics.median(values), 4) for name, values in raw.items()}
+    medians["floor_us"] = round(medians["cuMemMap"] + medians["cuMemSetAccess"], 4)
+    medians["iterations"] = FLOOR_ITERATIONS
+    return medians
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Where the numbers come from: host, CPU, memory, Python and library versions."""
+    info: dict[str, Any] = {
+        "node": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "machine": platform.machine(),
+        "system": f"{platform.system()} {platform.release()}",
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "kvcached_core": kvcached_core.__version__,
+        "built_with_cuda": bool(kvcached_core._native.built_with_cuda),
+    }
+    try:
+        info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        info["mem_total_bytes"] = None
+    free_bytes, total_bytes = get_backend(device, load_settings()).mem_info()
+    info["device_mem_total_bytes"] = total_bytes
+    info["device_mem_free_bytes_at_end"] = free_bytes
+    return info
+
+
+def evaluate_targets(results: dict[str, Any]) -> dict[str, bool | None]:
+    """The project's performance targets, as pass/fail (None where not measurable on this device)."""
+    ratio = results["map_to_floor_ratio"]
+    return {
+        "pair_k1_median_le_1us": results["pair_us"]["1"]["median"] <= 1.0,
+        "available_size_le_0_2us": results["available_size_us"]["median"] <= 0.2,
+        "map_to_floor_ratio_le_1_2": None if ratio is None else ratio <= 1.2,
+    }
+
+
+def run_all(device: str, batches: int, page_samples: int) -> dict[str, Any]:
+    """Every measurement, in an order that keeps managers from disturbing each other; closes them all."""
+    kind, index = parse_device(device)
+    results: dict[str, Any] = {}
+    pair_mgr = make_pair_manager(device)
+    try:
+        page_bytes = pair_mgr.page_bytes
+        warm_up_pages(pair_mgr, FOOTPRINT_BLOCKS)
+        results["page_bytes"] = page_bytes
+        results["pair_us"], results["pair_loop_baseline_us"] = measure_pairs(pair_mgr, batches)
+        results["available_size_us"], results["available_size_loop_baseline_us"] = measure_available_size(
+            pair_mgr, batches
+        )
+        # The floor is measured right before the warm map so both see the same driver and machine state.
+        results["driver_floor_us"] = measure_driver_floor(index, page_bytes) if kind == "cuda" else None
+        results["page_usable_warm_us"] = measure_page_usable(device, page_bytes, page_samples, warm=True)
+        results["page_usable_cold_us"] = measure_page_usable(device, page_bytes, page_samples, warm=False)
+        results["page_unmap_us"] = measure_page_unmap(device, page_bytes, page_samples)
+        results["map_to_floor_ratio"] = None
+        if results["driver_floor_us"] is not None:
+            floor = results["driver_floor_us"]["floor_us"]
+            results["map_to_floor_ratio"] = round(results["page_usable_warm_us"]["median"] / floor, 4)
+        results["footprint"] = measure_footprint(pair_mgr, FOOTPRINT_BLOCKS)
+    finally:
+        pair_mgr.close()
+    results["targets"] = evaluate_targets(results)
+    return results
+
+
+def build_report(device: str, batches: int, page_samples: int) -> dict[str, Any]:
+    """The full JSON document: metadata plus results."""
+    started = dt.datetime.now(dt.timezone.utc)
+    results = run_all(device, batches, page_samples)
+    return {
+        "benchmark": "alloc_free",
+        "device": device,
+        "machine": machine_info(device),
+        "timestamp": started.isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "parameters": {
+            "batches": batches,
+            "page_samples": page_samples,
+            "pair_manager": {
+                "num_blocks": PAIR_NUM_BLOCKS,
+                "block_bytes": PAIR_BLOCK_BYTES,
+                "num_layers": 1,
+                "num_kv_buffers": 2,
+                "reserved_pages": PAIR_RESERVED_PAGES,
+            },
+            "pool_target_warm": POOL_TARGET,
+        },
+        "duration_s": round((dt.datetime.now(dt.timezone.utc) - started).total_seconds(), 2),
+        "results": results,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A short human-readable summary of the report."""
+    r = report["results"]
+    rows = [(f"free(alloc({k}))", r["pair_us"][k]) for k in r["pair_us"]]
+    rows += [(f"  loop baseline k={k}", r["pair_loop_baseline_us"][k]) for k in r["pair_loop_baseline_us"]]
+    rows += [
+        ("available_size()", r["available_size_us"]),
+        ("  loop baseline", r["available_size_loop_baseline_us"]),
+        ("page usable, warm pool", r["page_usable_warm_us"]),
+        ("page usable, cold", r["page_usable_cold_us"]),
+        ("page unmap (trim)", r["page_unmap_us"]),
+    ]
+    lines = [
+        f"alloc_free on {report['device']} ({report['machine']['node']}), microseconds",
+        f"{'':28}{'median':>12}{'p99':>12}",
+    ]
+    lines += [f"{name:28}{s['median']:>12.3f}{s['p99']:>12.3f}" for name, s in rows]
+    if r["driver_floor_us"] is not None:
+        lines.append(f"driver floor (map+access)   {r['driver_floor_us']['floor_us']:>12.3f}")
+        lines.append(f"map / floor ratio           {r['map_to_floor_ratio']:>12.3f}")
+    holding = r["footprint"]["holding"]
+    lines.append(
+        f"footprint holding {holding['allocated_blocks']} blocks: mapped {holding['mapped_bytes']} B, "
+        f"used {holding['used_bytes']} B; after free+trim mapped "
+        f"{r['footprint']['after_free_and_trim']['mapped_bytes']} B"
+    )
+    lines.append("targets: " + ", ".join(f"{k}={v}" for k, v in r["targets"].items()))
+    return "\n".join(lines)
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+
+def device_arg(text: str) -> str:
+    """argparse type: 'cpu', 'cuda' or 'cuda:N', normalized."""
+    try:
+        kind, index = parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return "cpu" if kind == "host" else f"cuda:{index}"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; bad arguments exit with status 2 (argparse)."""
+    parser = argparse.ArgumentParser(
+        description="Benchmark kvcached-core: alloc/free pairs, available_size(), page map and unmap, "
+        "memory footprint, and (on CUDA) the driver floor.",
+    )
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    parser.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=20,
+        metavar="N",
+        help="timed batches per loop measurement; median and p99 are over these (default: 20)",
+    )
+    parser.add_argument(
+        "--page-samples",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="timed page map and unmap operations per measurement (default: 32)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print or write its report."""
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and "cuda" not in kvcached_core.available_backends():
+        print(f"device {args.device} unavailable: {kvcached_core.cuda_unavailable_reason()}", file=sys.stderr)
+        return 2
+    report = build_report(args.device, args.repeats, args.page_samples)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    print(text if args.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
