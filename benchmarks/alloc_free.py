@@ -54,6 +54,7 @@ FOOTPRINT_BLOCKS = 1000
 POOL_TARGET = 64
 POOL_WAIT_TIMEOUT_S = 30.0
 FLOOR_ITERATIONS = 32
+FLOOR_ROUNDS = 4  # alternating rounds of floor and warm samples on CUDA
 LONG_RECLAIM_DELAY_MS = 600_000  # keeps the background reclaimer out of the unmap measurement
 
 # ---- statistics -----------------------------------------------------------------------------------
@@ -243,8 +244,9 @@ def measure_page_usable(device: str, page_bytes: int, samples: int, *, warm: boo
         mapped = mgr.snapshot()["mapped_pages"]
         if mapped != samples + warmup:
             raise RuntimeError(f"expected {samples + warmup} mapped pages after as many alloc(1): {mapped}")
-        result = summarize(times)
+        result: dict[str, Any] = summarize(times)
         result["pool_target"] = target
+        result["times_us"] = times
         return result
     finally:
         mgr.close()
@@ -294,13 +296,33 @@ def measure_footprint(mgr: KVCacheManager, blocks: int) -> dict[str, Any]:
     return {"holding": holding, "after_free": after_free, "after_free_and_trim": after_trim}
 
 
-def measure_driver_floor(device_index: int, page_bytes: int) -> dict[str, Any]:
-    """Median microseconds of each bare driver call for one page; ``floor_us`` = cuMemMap + cuMemSetAccess."""
-    raw = kvcached_core._native._cuda_driver_floor(device_index, page_bytes, FLOOR_ITERATIONS)
-    medians: dict[str, Any] = {name: round(statistics.median(values), 4) for name, values in raw.items()}
-    medians["floor_us"] = round(medians["cuMemMap"] + medians["cuMemSetAccess"], 4)
-    medians["iterations"] = FLOOR_ITERATIONS
-    return medians
+def measure_driver_floor(device_index: int, page_bytes: int, iterations: int = FLOOR_ITERATIONS) -> dict[str, Any]:
+    """Per-call microseconds of each bare driver call for ``iterations`` pages (lists, one value a page)."""
+    return kvcached_core._native._cuda_driver_floor(device_index, page_bytes, iterations)
+
+
+def measure_warm_vs_floor(device: str, page_bytes: int, samples: int, rounds: int = FLOOR_ROUNDS) -> dict[str, Any]:
+    """The warm page-usable time and the driver floor, measured in alternating rounds.
+
+    Both drift with the GPU's and driver's state over a run; alternating ``rounds`` short rounds of each
+    and pooling the samples compares them under the same conditions. Returns the warm summary, the
+    floor's per-call medians (``floor_us`` = cuMemMap + cuMemSetAccess) and their ratio.
+    """
+    _, index = parse_device(device)
+    per_round = max(1, samples // rounds)
+    floor_raw: dict[str, list[float]] = {}
+    warm: list[float] = []
+    for _ in range(rounds):
+        for name, values in measure_driver_floor(index, page_bytes, per_round).items():
+            floor_raw.setdefault(name, []).extend(values)
+        warm.extend(measure_page_usable(device, page_bytes, per_round, warm=True)["times_us"])
+    floor: dict[str, Any] = {name: round(statistics.median(values), 4) for name, values in floor_raw.items()}
+    floor["floor_us"] = round(floor["cuMemMap"] + floor["cuMemSetAccess"], 4)
+    floor["iterations"] = per_round * rounds
+    floor["rounds"] = rounds
+    warm_summary = summarize(warm)
+    ratio = round(warm_summary["median"] / floor["floor_us"], 4)
+    return {"warm": warm_summary, "floor": floor, "ratio": ratio}
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -351,15 +373,21 @@ def run_all(device: str, batches: int, page_samples: int) -> dict[str, Any]:
         results["available_size_us"], results["available_size_loop_baseline_us"] = measure_available_size(
             pair_mgr, batches
         )
-        # The floor is measured right before the warm map so both see the same driver and machine state.
-        results["driver_floor_us"] = measure_driver_floor(index, page_bytes) if kind == "cuda" else None
-        results["page_usable_warm_us"] = measure_page_usable(device, page_bytes, page_samples, warm=True)
-        results["page_usable_cold_us"] = measure_page_usable(device, page_bytes, page_samples, warm=False)
+        if kind == "cuda":
+            compared = measure_warm_vs_floor(device, page_bytes, page_samples)
+            results["page_usable_warm_us"] = compared["warm"]
+            results["driver_floor_us"] = compared["floor"]
+            results["map_to_floor_ratio"] = compared["ratio"]
+        else:
+            warm = measure_page_usable(device, page_bytes, page_samples, warm=True)
+            warm.pop("times_us")
+            results["page_usable_warm_us"] = warm
+            results["driver_floor_us"] = None
+            results["map_to_floor_ratio"] = None
+        cold = measure_page_usable(device, page_bytes, page_samples, warm=False)
+        cold.pop("times_us")
+        results["page_usable_cold_us"] = cold
         results["page_unmap_us"] = measure_page_unmap(device, page_bytes, page_samples)
-        results["map_to_floor_ratio"] = None
-        if results["driver_floor_us"] is not None:
-            floor = results["driver_floor_us"]["floor_us"]
-            results["map_to_floor_ratio"] = round(results["page_usable_warm_us"]["median"] / floor, 4)
         results["footprint"] = measure_footprint(pair_mgr, FOOTPRINT_BLOCKS)
     finally:
         pair_mgr.close()
