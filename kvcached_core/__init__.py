@@ -6,10 +6,11 @@ on one device (or on the host) float memory between them. See the README for the
 
 from __future__ import annotations
 
-from ._native import BackendError, ClosedError
+from ._native import BackendError, ClosedError, SegmentError
 from .backends import available_backends, cuda_unavailable_reason
-from .config import ConfigError, Settings, load_settings, parse_size
+from .config import ConfigError, Settings, load_settings
 from .manager import KVCacheManager
+from .units import format_bytes, parse_size
 
 __version__ = "0.1.0"
 
@@ -17,11 +18,13 @@ __all__ = [
     "BackendError",
     "ClosedError",
     "ConfigError",
+    "SegmentError",
     "KVCacheManager",
     "Settings",
     "__version__",
     "available_backends",
     "cuda_unavailable_reason",
+    "format_bytes",
     "load_settings",
     "parse_size",
 ]

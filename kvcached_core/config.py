@@ -8,27 +8,14 @@ The README's configuration table lists the same settings, defaults and meanings.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)[bB]?\s*$")
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+from .units import parse_size
 
 
 class ConfigError(ValueError):
     """A KVCACHED_* variable holds a value that cannot be used."""
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size such as ``4096``, ``512M``, ``2G``, ``1.5GiB`` (binary units) into bytes."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"{text!r} is not a size; write bytes or a number with K, M, G or T (e.g. 512M, 1.5GiB)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value != int(value):
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(value)
 
 
 def _bool(text: str) -> bool:
@@ -44,6 +31,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text.strip())
     if value < 0:
         raise ValueError(f"{value} is negative")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text.strip())
+    if value <= 0:
+        raise ValueError(f"{value} is not positive")
     return value
 
 
@@ -77,6 +71,8 @@ class Settings:
     pool_max: int = 16
     zero_on_map: bool = False
     host_device_bytes: int = 0
+    control: bool = True
+    watch_interval_ms: int = 10
     runtime_dir: str | None = None
 
     def resolved_runtime_dir(self) -> str:
@@ -105,6 +101,14 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_HOST_DEVICE_BYTES",
         _size,
         "size of the host memory budget shared by all host-backend processes of this user (0 = no budget)",
+    ),
+    "control": Setting(
+        "KVCACHED_CONTROL", _bool, "publish a control segment per manager, for kvctl and kvtop (0 = none)"
+    ),
+    "watch_interval_ms": Setting(
+        "KVCACHED_WATCH_INTERVAL_MS",
+        _positive_int,
+        "longest time before a manager sees a kvctl limit and republishes its state",
     ),
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import _native
+from . import _native, registry, segment
 from .backends import DeviceLike, get_backend, parse_device
 from .config import Settings, load_settings
 
@@ -18,6 +18,14 @@ def _positive_int(name: str, value: object) -> int:
         raise ValueError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
     if value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def _label(what: str, value: object, max_bytes: int) -> str:
+    if not isinstance(value, str) or not value or not value.isprintable():
+        raise ValueError(f"{what} must be a non-empty printable string, got {value!r}")
+    if len(value.encode()) > max_bytes:
+        raise ValueError(f"{what} {value!r} is longer than {max_bytes} bytes; pick a shorter one")
     return value
 
 
@@ -47,6 +55,7 @@ class KVCacheManager(_native.BlockAllocator):
         pool_name: str = "mha",
         name: str | None = None,
         *,
+        engine: str | None = None,
         reserve_null_block: bool = False,
         page_bytes: int | None = None,
         reserved_pages: int | None = None,
@@ -68,19 +77,20 @@ class KVCacheManager(_native.BlockAllocator):
         self.block_bytes = _positive_int("block_bytes", block_bytes)
         self.num_layers = _positive_int("num_layers", num_layers)
         self.num_kv_buffers = _positive_int("num_kv_buffers", num_kv_buffers)
-        if not isinstance(pool_name, str) or not pool_name:
-            raise ValueError(f"pool_name must be a non-empty string, got {pool_name!r}")
+        self.pool_name = _label("pool_name", pool_name, 31)
+        self.engine = _label("engine", engine if engine else _engine_label(), 31)
+        self.name = _label("name", name if name else f"{self.engine}-{os.getpid()}", 127)
         kind, index = parse_device(device)
         self.device = "cpu" if kind == "host" else f"cuda:{index}"
-        self.pool_name = pool_name
-        self.name = name if name else f"{_engine_label()}-{os.getpid()}"
+        self._control = None
         self.reserve_null_block = bool(reserve_null_block)
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        backend = get_backend(self.device, s)
         super().__init__(
-            get_backend(self.device, s),
+            backend,
             num_blocks=self.num_blocks,
             block_bytes=self.block_bytes,
             num_buffers=self.num_layers * self.num_kv_buffers,
@@ -97,6 +107,27 @@ class KVCacheManager(_native.BlockAllocator):
         self.alloc = fast.alloc
         self.free = fast.free
         self.available_size = fast.available_size
+        if s.control:
+            try:
+                self._control = self._open_control_segment(s, backend.mem_info()[1], s.watch_interval_ms)
+            except BaseException:
+                super().close()
+                raise
+        registry.register(self)
+
+    def _open_control_segment(self, settings: Settings, device_total: int, poll_ms: int) -> _native.ControlSegment:
+        directory = segment.segment_dir(settings)
+        segment.collect(directory, self.name, self.pool_name)  # take over from a dead namesake
+        return _native.ControlSegment(
+            segment.new_segment_path(directory),
+            self,
+            engine=self.engine,
+            device=self.device,
+            name=self.name,
+            pool_name=self.pool_name,
+            device_total_bytes=device_total,
+            poll_ms=poll_ms,
+        )
 
     # -- hot path: __init__ shadows these with the native methods; they document the API and serve
     # -- unbound calls such as KVCacheManager.alloc(mgr, 4).
@@ -130,7 +161,17 @@ class KVCacheManager(_native.BlockAllocator):
             raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
         if revision is not None and (isinstance(revision, bool) or not isinstance(revision, int) or revision < 0):
             raise ValueError(f"revision must be a non-negative int or None, got {revision!r}")
-        return self._set_memory_limit(limit_bytes, revision)
+        result = self._set_memory_limit(limit_bytes, revision)
+        if self._control is not None:
+            self._control.record_limit(result)
+        return result
+
+    def close(self) -> None:
+        """Unmap and release all memory and remove the control segment. Idempotent."""
+        if self._control is not None:
+            self._control.close()
+        super().close()
+        registry.unregister(self)
 
     def snapshot(self) -> dict:
         """Pool occupancy: total/allocated/available blocks, mapped and used bytes, the limit, and labels."""

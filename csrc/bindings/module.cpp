@@ -14,6 +14,8 @@
 #include "bindings/fast_path.h"
 #include "blocks/block_allocator.h"
 #include "common/errors.h"
+#include "common/process.h"
+#include "control/segment.h"
 #ifdef KVCACHED_WITH_CUDA
 #include "backend/cuda_backend.h"
 #include "backend/cuda_driver.h"
@@ -83,6 +85,40 @@ py::dict snapshot_dict(const BlockAllocator& a) {
   return d;
 }
 
+py::dict segment_dict(const SegmentInfo& i) {
+  auto limit = [](std::uint64_t v) { return v == BlockAllocator::kNoLimit ? py::object(py::none()) : py::int_(v); };
+  static const char* const kStatus[] = {"none", "applied", "deferred", "stale", "conflict"};
+  py::dict d;
+  d["owner_pid"] = i.owner_pid;
+  d["owner_uid"] = i.owner_uid;
+  d["owner_start_time"] = i.owner_start_time;
+  d["created_unix_ns"] = i.created_unix_ns;
+  d["engine"] = i.engine;
+  d["device"] = i.device;
+  d["name"] = i.instance_name;
+  d["pool_name"] = i.pool_name;
+  d["device_total_bytes"] = i.device_total_bytes;
+  d["virtual_bytes"] = i.virtual_bytes;
+  d["page_bytes"] = i.page_bytes;
+  d["block_bytes"] = i.block_bytes;
+  d["num_buffers"] = i.num_buffers;
+  d["request_limit_bytes"] = limit(i.request_limit_bytes);
+  d["request_revision"] = i.request_revision;
+  d["applied_limit_bytes"] = limit(i.applied_limit_bytes);
+  d["applied_revision"] = i.applied_revision;
+  d["limit_status"] = i.applied_status < 5 ? kStatus[i.applied_status] : "unknown";
+  d["publish_unix_ns"] = i.publish_unix_ns;
+  d["total_blocks"] = i.total_blocks;
+  d["allocated_blocks"] = i.allocated_blocks;
+  d["available_blocks"] = i.available_blocks;
+  d["mapped_bytes"] = i.mapped_bytes;
+  d["used_bytes"] = i.used_bytes;
+  d["limit_bytes"] = limit(i.limit_bytes);
+  d["limit_revision"] = i.limit_revision;
+  d["pool_ready_handles"] = i.pool_ready_handles;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -90,6 +126,7 @@ PYBIND11_MODULE(_native, m) {
 
   auto backend_error = py::register_exception<BackendError>(m, "BackendError", PyExc_RuntimeError);
   auto closed_error = py::register_exception<ClosedError>(m, "ClosedError", PyExc_RuntimeError);
+  py::register_exception<SegmentError>(m, "SegmentError", PyExc_ValueError);
   register_fast_path(m.ptr(), closed_error.ptr(), backend_error.ptr());
   if (PyErr_Occurred()) throw py::error_already_set();
 
@@ -180,4 +217,35 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("buffer_stride", &BlockAllocator::buffer_stride)
       .def_property_readonly("_backend_name", [](const BlockAllocator& a) { return a.backend().name(); })
       .def_property_readonly("_device_index", [](const BlockAllocator& a) { return a.backend().device_index(); });
+
+  py::class_<ControlSegment>(m, "ControlSegment")
+      .def(py::init([](const std::string& path, std::shared_ptr<BlockAllocator> allocator, const std::string& engine,
+                       const std::string& device, const std::string& name, const std::string& pool_name,
+                       std::uint64_t device_total_bytes, int poll_ms) {
+             SegmentIdentity id{engine, device, name, pool_name, device_total_bytes};
+             return std::make_unique<ControlSegment>(path, id, std::move(allocator), poll_ms);
+           }),
+           py::arg("path"), py::arg("allocator"), py::arg("engine"), py::arg("device"), py::arg("name"),
+           py::arg("pool_name"), py::arg("device_total_bytes"), py::arg("poll_ms"))
+      .def("publish", &ControlSegment::publish)
+      .def("record_limit", [](ControlSegment& c, const py::dict& result) {
+             LimitResult r;
+             r.status = result["status"].cast<std::string>();
+             r.limit_bytes = result["limit_bytes"].is_none() ? BlockAllocator::kNoLimit
+                                                             : result["limit_bytes"].cast<std::uint64_t>();
+             r.revision = result["revision"].cast<std::uint64_t>();
+             c.record_limit(r);
+           })
+      .def("close", &ControlSegment::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("path", &ControlSegment::path);
+
+  m.def("read_segment", [](const std::string& path) { return segment_dict(read_segment(path)); }, py::arg("path"),
+        "Reads and validates one control segment; SegmentError says what is wrong with a bad file.");
+  m.def("request_limit", [](const std::string& path, std::optional<std::uint64_t> limit, std::uint64_t revision) {
+        request_limit(path, limit.value_or(BlockAllocator::kNoLimit), revision);
+      }, py::arg("path"), py::arg("limit_bytes"), py::arg("revision"),
+      "Asks the owner of a segment to apply a limit (None = no limit) under a revision, and wakes it.");
+  m.def("process_alive", &process_alive, py::arg("pid"), py::arg("start_time"),
+        "True when pid runs (not a zombie) and started at start_time (0 = do not compare).");
+  m.def("process_start_time", &process_start_time, py::arg("pid"));
 }

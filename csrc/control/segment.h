@@ -1,0 +1,88 @@
+// Control segments (layout in segment_layout.h).
+//
+// ControlSegment is the owner's side: it creates the file for one manager, publishes the manager's state,
+// and runs a watcher thread that applies limit requests within the poll interval (at once when the
+// requester's futex wake arrives). read_segment() and request_limit() are the readers' side (kvctl, kvtop).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "blocks/block_allocator.h"
+#include "control/segment_layout.h"
+
+namespace kvcached {
+
+// A file in the segment directory that cannot be used (corrupt, truncated, foreign version or owner).
+// -> kvcached_core.SegmentError (a ValueError)
+class SegmentError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct SegmentIdentity {
+  std::string engine;
+  std::string device;
+  std::string instance_name;
+  std::string pool_name;
+  std::uint64_t device_total_bytes = 0;
+};
+
+class ControlSegment {
+ public:
+  // Creates `path` (mode 0600; it must not exist), publishes once and starts the watcher.
+  ControlSegment(const std::string& path, const SegmentIdentity& identity, std::shared_ptr<BlockAllocator> allocator,
+                 int poll_ms);
+  ~ControlSegment();
+  ControlSegment(const ControlSegment&) = delete;
+  ControlSegment& operator=(const ControlSegment&) = delete;
+
+  // Writes the allocator's current state (seqlock; lock-free reads of the allocator's counters).
+  void publish() noexcept;
+  // Records the outcome of a limit set in-process, so kvctl sees it and picks a later revision.
+  void record_limit(const LimitResult& result) noexcept;
+  // Stops the watcher, removes the file and unmaps it. Idempotent.
+  void close() noexcept;
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  void run();
+  void apply_request(std::uint64_t limit, std::uint64_t revision);
+
+  std::string path_;
+  std::shared_ptr<BlockAllocator> allocator_;
+  SegmentLayout* seg_ = nullptr;
+  int poll_ms_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> closed_{false};
+  std::thread watcher_;
+};
+
+// Everything a reader needs from one segment, read consistently.
+struct SegmentInfo {
+  std::int32_t owner_pid;
+  std::uint32_t owner_uid;
+  std::uint64_t owner_start_time;
+  std::uint64_t created_unix_ns;
+  std::string engine, device, instance_name, pool_name;
+  std::uint64_t device_total_bytes, virtual_bytes, page_bytes, block_bytes, num_buffers;
+  std::uint64_t request_limit_bytes, request_revision;
+  std::uint64_t applied_limit_bytes, applied_revision;
+  std::uint32_t applied_status;
+  std::uint64_t publish_unix_ns;
+  std::int64_t total_blocks, allocated_blocks, available_blocks;
+  std::uint64_t mapped_bytes, used_bytes, limit_bytes, limit_revision;
+  std::int64_t pool_ready_handles;
+};
+
+// Reads and validates the segment at `path`. Throws SegmentError naming what is wrong with the file.
+SegmentInfo read_segment(const std::string& path);
+
+// Asks the owner of `path` to apply `limit_bytes` (UINT64_MAX = none) under `revision`, and wakes it.
+void request_limit(const std::string& path, std::uint64_t limit_bytes, std::uint64_t revision);
+
+}  // namespace kvcached

@@ -1,0 +1,119 @@
+"""Control segments on disk: where they live, which are live, and collecting the stale ones.
+
+The binary layout and its validation are native (``csrc/control/segment_layout.h``); this module only
+finds files and judges their owners. A segment is live while its owner process runs; a pid reused by
+another process is told apart by the owner's start time.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from . import _native
+from .config import Settings
+from .runtime_dir import ensure_runtime_dir
+
+SUFFIX = ".seg"
+TMP_SUFFIX = ".seg.tmp"
+
+
+def segment_dir(settings: Settings) -> str:
+    """The per-user segment directory (0700), created on first use."""
+    runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
+    return ensure_runtime_dir(os.path.join(runtime, "segments"))
+
+
+def new_segment_path(directory: str) -> str:
+    """A fresh file name for a segment of this process."""
+    return os.path.join(directory, f"{os.getpid()}-{uuid.uuid4().hex[:12]}{SUFFIX}")
+
+
+@dataclass
+class Segment:
+    path: str
+    info: dict
+
+    @property
+    def live(self) -> bool:
+        return _native.process_alive(self.info["owner_pid"], self.info["owner_start_time"])
+
+
+@dataclass
+class Scan:
+    live: list[Segment] = field(default_factory=list)
+    stale: list[Segment] = field(default_factory=list)
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (path, why it was skipped)
+    leftovers: list[str] = field(default_factory=list)  # temporary files of dead creators
+
+
+def scan(directory: str) -> Scan:
+    """Reads every segment in ``directory``; files that are not usable segments land in ``bad``."""
+    result = Scan()
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except FileNotFoundError:
+        return result
+    for entry in entries:
+        if entry.name.endswith(TMP_SUFFIX):
+            pid = entry.name.split("-", 1)[0]
+            if pid.isdigit() and not _native.process_alive(int(pid), 0):
+                result.leftovers.append(entry.path)
+            continue
+        if not entry.name.endswith(SUFFIX):
+            continue
+        try:
+            seg = Segment(entry.path, _native.read_segment(entry.path))
+        except _native.SegmentError as exc:
+            if "gone" not in str(exc):  # closed between listing and reading: not a problem
+                result.bad.append((entry.path, str(exc).split(": ", 1)[-1]))
+            continue
+        (result.live if seg.live else result.stale).append(seg)
+    return result
+
+
+def collect(directory: str, name: str | None = None, pool_name: str | None = None) -> list[str]:
+    """Removes segments whose owner is gone (only those of ``name``/``pool_name`` when given)."""
+    found = scan(directory)
+    removed: list[str] = []
+    targets = [
+        s.path for s in found.stale if name is None or (s.info["name"], s.info["pool_name"]) == (name, pool_name)
+    ]
+    if name is None:
+        targets += found.leftovers
+    for path in targets:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def rows(segments: Sequence[Segment]) -> list[dict]:
+    """One plain dict per live pool, as `list --json` and `kvtop --json` print them."""
+    out = []
+    for seg in segments:
+        i = seg.info
+        out.append(
+            {
+                "name": i["name"],
+                "pid": i["owner_pid"],
+                "engine": i["engine"],
+                "device": i["device"],
+                "pool_name": i["pool_name"],
+                "limit_bytes": i["limit_bytes"],
+                "limit_status": i["limit_status"],
+                "mapped_bytes": i["mapped_bytes"],
+                "used_bytes": i["used_bytes"],
+                "virtual_bytes": i["virtual_bytes"],
+                "device_total_bytes": i["device_total_bytes"],
+                "allocated_blocks": i["allocated_blocks"],
+                "total_blocks": i["total_blocks"],
+                "published_unix_ns": i["publish_unix_ns"],
+                "segment": seg.path,
+            }
+        )
+    return out
