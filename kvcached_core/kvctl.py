@@ -124,7 +124,7 @@ def report(plan: list[tuple[Segment, int | None]], revision: int) -> int:
                 print(f"{seg.info['name']} pid {seg.info['owner_pid']}: exited before applying the limit")
                 status = 1
                 continue
-            if info["applied_revision"] >= revision:
+            if info["handled_revision"] >= revision:
                 state = info["limit_status"]
                 note = (
                     " (above it now: no new allocation until freed blocks bring it down)" if state == "deferred" else ""

@@ -106,6 +106,7 @@ py::dict segment_dict(const SegmentInfo& i) {
   d["request_revision"] = i.request_revision;
   d["applied_limit_bytes"] = limit(i.applied_limit_bytes);
   d["applied_revision"] = i.applied_revision;
+  d["handled_revision"] = i.handled_revision;
   d["limit_status"] = i.applied_status < 5 ? kStatus[i.applied_status] : "unknown";
   d["publish_unix_ns"] = i.publish_unix_ns;
   d["total_blocks"] = i.total_blocks;

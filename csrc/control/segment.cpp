@@ -140,7 +140,10 @@ ControlSegment::ControlSegment(const std::string& path, const SegmentIdentity& i
     unlink(tmp.c_str());
     throw BackendError("cannot publish control segment " + path + ": " + std::strerror(err), err);
   }
-  watcher_ = std::thread([this] { run(); });
+  // `seen` is fixed here, not when the thread first runs: a request that arrives before the thread is
+  // scheduled must still count as new.
+  const std::uint32_t seen = seg_->request_seq.load(std::memory_order_acquire);
+  watcher_ = std::thread([this, seen] { run(seen); });
 }
 
 ControlSegment::~ControlSegment() { close(); }
@@ -182,13 +185,15 @@ void ControlSegment::record_limit(const LimitResult& result) noexcept {
 void ControlSegment::apply_request(std::uint64_t limit, std::uint64_t revision) {
   try {
     record_limit(allocator_->set_memory_limit(limit, revision));
+    if (revision > seg_->handled_revision.load(std::memory_order_relaxed)) {
+      seg_->handled_revision.store(revision, std::memory_order_release);  // after the outcome: readers wait on it
+    }
   } catch (const std::exception&) {
     // The manager closed under us: nothing left to limit.
   }
 }
 
-void ControlSegment::run() {
-  std::uint32_t seen = seg_->request_seq.load(std::memory_order_acquire);
+void ControlSegment::run(std::uint32_t seen) {
   while (!stop_.load(std::memory_order_acquire)) {
     futex_wait(&seg_->request_seq, seen, poll_ms_);
     if (stop_.load(std::memory_order_acquire)) break;
@@ -242,6 +247,7 @@ SegmentInfo read_segment(const std::string& path) {
   info.num_buffers = s->num_buffers;
   info.request_limit_bytes = s->request_limit_bytes.load();
   info.request_revision = s->request_revision.load();
+  info.handled_revision = s->handled_revision.load(std::memory_order_acquire);  // first: outcomes precede it
   info.applied_limit_bytes = s->applied_limit_bytes.load();
   info.applied_revision = s->applied_revision.load();
   info.applied_status = s->applied_status.load();

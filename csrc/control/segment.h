@@ -50,7 +50,7 @@ class ControlSegment {
   const std::string& path() const noexcept { return path_; }
 
  private:
-  void run();
+  void run(std::uint32_t seen);
   void apply_request(std::uint64_t limit, std::uint64_t revision);
 
   std::string path_;
@@ -71,7 +71,7 @@ struct SegmentInfo {
   std::string engine, device, instance_name, pool_name;
   std::uint64_t device_total_bytes, virtual_bytes, page_bytes, block_bytes, num_buffers;
   std::uint64_t request_limit_bytes, request_revision;
-  std::uint64_t applied_limit_bytes, applied_revision;
+  std::uint64_t applied_limit_bytes, applied_revision, handled_revision;
   std::uint32_t applied_status;
   std::uint64_t publish_unix_ns;
   std::int64_t total_blocks, allocated_blocks, available_blocks;

@@ -46,8 +46,9 @@ struct SegmentLayout {
   // -- limit outcome: owner -> readers
   alignas(64) std::atomic<std::uint64_t> applied_limit_bytes;
   std::atomic<std::uint64_t> applied_revision;
-  std::atomic<std::uint32_t> applied_status;  // LimitStatus
+  std::atomic<std::uint32_t> applied_status;  // LimitStatus of the last request or in-process call
   std::uint32_t pad1;
+  std::atomic<std::uint64_t> handled_revision;  // revision of the last request the owner processed
 
   // -- published state: owner -> readers (seqlock)
   alignas(64) std::atomic<std::uint64_t> state_seq;
