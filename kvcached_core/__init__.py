@@ -14,6 +14,20 @@ from .units import format_bytes, parse_size
 
 __version__ = "0.1.0"
 
+
+def capabilities() -> dict:
+    """What this build offers: backends, and the operation counters (from the native snapshot schema)."""
+    from . import _native
+
+    return {
+        "version": __version__,
+        "backends": available_backends(),
+        "operation_counters": list(_native.OPERATION_COUNTERS),
+        "counting": bool(_native.counting),
+        "control_segments": True,
+    }
+
+
 __all__ = [
     "BackendError",
     "ClosedError",
@@ -23,6 +37,7 @@ __all__ = [
     "Settings",
     "__version__",
     "available_backends",
+    "capabilities",
     "cuda_unavailable_reason",
     "format_bytes",
     "load_settings",

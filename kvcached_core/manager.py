@@ -173,6 +173,13 @@ class KVCacheManager(_native.BlockAllocator):
         super().close()
         registry.unregister(self)
 
+    def operation_snapshot(self) -> dict:
+        """Cumulative operation counters (names in ``capabilities()["operation_counters"]``), the last error
+        (code, time, message cut to a bound), and the pool's labels. Never takes the allocator lock."""
+        ops = super().operation_snapshot()
+        ops.update(pool_name=self.pool_name, name=self.name, device=self.device)
+        return ops
+
     def snapshot(self) -> dict:
         """Pool occupancy: total/allocated/available blocks, mapped and used bytes, the limit, and labels."""
         snap = self._snapshot()

@@ -1,6 +1,8 @@
-"""Process-local registry of live managers: closes them at interpreter exit and on SIGTERM.
+"""Process-local registry of live pools.
 
-Weak references only: a manager that is garbage-collected leaves the registry by itself.
+It announces pools to plugins (pluggy hooks), lets integrations and exporters list them, and closes them
+at interpreter exit and on SIGTERM. Weak references only: a pool that is closed or garbage-collected
+leaves the registry by itself.
 """
 
 from __future__ import annotations
@@ -12,30 +14,53 @@ import threading
 import weakref
 from typing import Any
 
-_live: weakref.WeakSet = weakref.WeakSet()
+from .hookspecs import PoolInfo
+
+_live: dict[int, PoolInfo] = {}
 _lock = threading.Lock()
 _hooks_installed = False
 
 
 def register(manager: Any) -> None:
-    """Tracks ``manager`` until it is closed or collected; installs the exit hooks on first use."""
+    """Tracks ``manager`` until it is closed or collected and announces it to plugins."""
     global _hooks_installed
+    key = id(manager)
+    info = PoolInfo(
+        name=manager.name,
+        pool_name=manager.pool_name,
+        engine=manager.engine,
+        device=manager.device,
+        manager=weakref.ref(manager, lambda _ref: _forget(key)),
+    )
     with _lock:
-        _live.add(manager)
+        _live[key] = info
         if not _hooks_installed:
             _hooks_installed = True
             atexit.register(close_all)
             _install_sigterm_cleanup()
+    _hook().kvcached_pool_registered(pool=info)
 
 
 def unregister(manager: Any) -> None:
+    """Removes a closed ``manager`` and announces it."""
+    _forget(id(manager))
+
+
+def _forget(key: int) -> None:
     with _lock:
-        _live.discard(manager)
+        info = _live.pop(key, None)
+    if info is not None:
+        _hook().kvcached_pool_unregistered(pool=info)
+
+
+def live_pools() -> list[PoolInfo]:
+    """Every pool of this process that is neither closed nor collected."""
+    with _lock:
+        return [info for info in _live.values() if info.manager() is not None]
 
 
 def live_managers() -> list[Any]:
-    with _lock:
-        return list(_live)
+    return [m for m in (info.manager() for info in live_pools()) if m is not None]
 
 
 def close_all() -> None:
@@ -45,6 +70,12 @@ def close_all() -> None:
             manager.close()
         except Exception:  # noqa: BLE001 - at exit, one failure must not keep the others' files around
             pass
+
+
+def _hook() -> Any:
+    from .plugins import get_plugin_manager  # here: kvctl and kvtop never load plugins
+
+    return get_plugin_manager().hook
 
 
 def _install_sigterm_cleanup() -> None:

@@ -37,6 +37,9 @@ void* map_aligned(std::size_t bytes, int prot) {
   if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
   return reinterpret_cast<void*>(aligned);
 }
+bool injected_failure(std::atomic<std::int64_t>& countdown) {
+  return countdown.load(std::memory_order_relaxed) > 0 && countdown.fetch_sub(1) == 1;
+}
 }  // namespace
 
 HostBackend::HostBackend(const std::string& budget_path, std::size_t budget_bytes)
@@ -77,12 +80,14 @@ std::optional<PhysHandle> HostBackend::create(std::size_t bytes) {
 }
 
 void HostBackend::map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle) {
+  if (injected_failure(fail_map_countdown_)) throw BackendError("host backend: injected map failure (testing)", EIO);
   void* src = reinterpret_cast<void*>(handle);
   void* got = mremap(src, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(addr));
   if (got == MAP_FAILED) throw_errno("host backend: cannot map a page");
 }
 
 void HostBackend::unmap(std::uintptr_t addr, std::size_t bytes) {
+  if (injected_failure(fail_unmap_countdown_)) throw BackendError("host backend: injected unmap failure (testing)", EIO);
   // Replacing the range in one call keeps the reservation whole: no window where the hole could be
   // taken by another mmap in this process.
   void* got = mmap(reinterpret_cast<void*>(addr), bytes, PROT_NONE,

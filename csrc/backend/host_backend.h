@@ -9,6 +9,7 @@
 // Because unmap returns the pages to the OS, host handles do not survive unmap.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -38,6 +39,9 @@ class HostBackend final : public MemoryBackend {
   void fence() override {}
   void zero(std::uintptr_t addr, std::size_t bytes) override;
   MemInfo mem_info() override;
+  // Testing aid: the `n`th map() (or unmap()) from now fails with a BackendError (n <= 0 cancels).
+  void fail_map_after(std::int64_t n) noexcept { fail_map_countdown_.store(n > 0 ? n : -1); }
+  void fail_unmap_after(std::int64_t n) noexcept { fail_unmap_countdown_.store(n > 0 ? n : -1); }
   // Without a budget the OS decides (overcommit, cgroups): no figure read ahead is trustworthy, so the
   // allocator treats host memory as unbounded and learns of exhaustion from a failed create().
   std::size_t allocatable_bytes() override;
@@ -45,6 +49,8 @@ class HostBackend final : public MemoryBackend {
  private:
   std::size_t granularity_;
   std::unique_ptr<HostBudget> budget_;
+  std::atomic<std::int64_t> fail_map_countdown_{-1};
+  std::atomic<std::int64_t> fail_unmap_countdown_{-1};
 };
 
 }  // namespace kvcached

@@ -85,6 +85,27 @@ py::dict snapshot_dict(const BlockAllocator& a) {
   return d;
 }
 
+py::tuple counter_names() {
+  std::vector<std::string> names;
+#define KVCACHED_NAME(name) names.emplace_back(#name);
+  KVCACHED_OPERATION_COUNTERS(KVCACHED_NAME)
+#undef KVCACHED_NAME
+  return py::tuple(py::cast(names));
+}
+
+py::dict operation_snapshot(const BlockAllocator& a) {
+  const OperationCounters& c = a.counters();
+  py::dict d;
+#define KVCACHED_COPY(name) d[#name] = c.name.load(std::memory_order_relaxed);
+  KVCACHED_OPERATION_COUNTERS(KVCACHED_COPY)
+#undef KVCACHED_COPY
+  const auto error = a.last_error();
+  d["last_error_code"] = error ? error->code : 0;
+  d["last_error_time"] = error ? py::object(py::float_(static_cast<double>(error->unix_ns) / 1e9)) : py::object(py::none());
+  d["last_error_message"] = error ? error->message : std::string();
+  return d;
+}
+
 py::dict segment_dict(const SegmentInfo& i) {
   auto limit = [](std::uint64_t v) { return v == BlockAllocator::kNoLimit ? py::object(py::none()) : py::int_(v); };
   static const char* const kStatus[] = {"none", "applied", "deferred", "stale", "conflict"};
@@ -128,6 +149,12 @@ PYBIND11_MODULE(_native, m) {
   auto backend_error = py::register_exception<BackendError>(m, "BackendError", PyExc_RuntimeError);
   auto closed_error = py::register_exception<ClosedError>(m, "ClosedError", PyExc_RuntimeError);
   py::register_exception<SegmentError>(m, "SegmentError", PyExc_ValueError);
+  m.attr("OPERATION_COUNTERS") = counter_names();
+#ifdef KVCACHED_NO_COUNTERS
+  m.attr("counting") = false;
+#else
+  m.attr("counting") = true;
+#endif
   register_fast_path(m.ptr(), closed_error.ptr(), backend_error.ptr());
   if (PyErr_Occurred()) throw py::error_already_set();
 
@@ -141,7 +168,11 @@ PYBIND11_MODULE(_native, m) {
       }, "(free_bytes, total_bytes) of the device (or of the host budget).");
 
   py::class_<HostBackend, MemoryBackend, std::shared_ptr<HostBackend>>(m, "HostBackend")
-      .def(py::init<const std::string&, std::size_t>(), py::arg("budget_path") = "", py::arg("budget_bytes") = 0);
+      .def(py::init<const std::string&, std::size_t>(), py::arg("budget_path") = "", py::arg("budget_bytes") = 0)
+      .def("_fail_map_after", &HostBackend::fail_map_after, py::arg("n"),
+           "Testing aid: the n-th map from now fails with BackendError (n <= 0 cancels).")
+      .def("_fail_unmap_after", &HostBackend::fail_unmap_after, py::arg("n"),
+           "Testing aid: the n-th unmap from now fails with BackendError (n <= 0 cancels).");
 
 #ifdef KVCACHED_WITH_CUDA
   py::class_<CudaBackend, MemoryBackend, std::shared_ptr<CudaBackend>>(m, "CudaBackend")
@@ -212,7 +243,8 @@ PYBIND11_MODULE(_native, m) {
            "Unmap and release all memory. Idempotent.")
       .def_property_readonly("closed", &BlockAllocator::closed)
       .def("_snapshot", &snapshot_dict)
-      .def("_last_error", &BlockAllocator::last_error)
+      .def("operation_snapshot", &operation_snapshot,
+           "Cumulative operation counters and the last error, copied without taking the allocator lock.")
       .def("_export_bytes", &export_bytes, py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
       .def_property_readonly("page_bytes", &BlockAllocator::page_bytes)
       .def_property_readonly("buffer_stride", &BlockAllocator::buffer_stride)

@@ -113,14 +113,14 @@ void BlockAllocator::check_open() const {
   if (closed()) throw ClosedError("this KV cache manager is closed");
 }
 
-void BlockAllocator::record_error(const std::string& message) {
-  std::lock_guard<std::mutex> lock(error_mu_);
-  last_error_ = message;
-}
-
-std::string BlockAllocator::last_error() const {
-  std::lock_guard<std::mutex> lock(error_mu_);
-  return last_error_;
+void BlockAllocator::record_error(const std::exception& error) {
+  auto record = std::make_shared<ErrorRecord>();
+  const auto* backend_error = dynamic_cast<const BackendError*>(&error);
+  record->code = backend_error != nullptr ? backend_error->code() : -1;
+  record->unix_ns = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+  record->message = std::string(error.what()).substr(0, kMaxErrorMessage);
+  std::atomic_store(&last_error_, std::shared_ptr<const ErrorRecord>(std::move(record)));
 }
 
 // ---- page lists -------------------------------------------------------------------------------------
@@ -215,9 +215,10 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
     for (std::size_t i = 0; i < mapped; ++i) {
       try {
         backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + offset, page_bytes_);
+        count(counters_.page_unmaps_total);
         if (backend_->handle_survives_unmap()) pool_->give_back(handles[i]);
       } catch (...) {
-        // Nothing more to undo for this handle; the first error is the one reported.
+        count(counters_.mapping_errors_total);  // the first error is the one reported
       }
     }
   };
@@ -230,17 +231,20 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
     try {
       const std::uintptr_t addr = buffer_address(static_cast<std::int64_t>(i)) + offset;
       backend_->map(addr, page_bytes_, *h);
+      count(counters_.page_maps_total);
       handles[i] = *h;
       ++mapped;
       if (config_.zero_on_map) backend_->zero(addr, page_bytes_);
     } catch (const std::exception& e) {
       if (mapped < i + 1) pool_->give_back(*h);  // never mapped: still holds its memory
+      count(counters_.mapping_errors_total);
       undo();
-      record_error(e.what());
+      record_error(e);
       throw;
     }
   }
   unmapped_.pop_back();
+  count(counters_.manager_page_allocations_total);
   Page& page = pages_[static_cast<std::size_t>(page_id)];
   page.state = PageState::kMapped;
   list_insert(ListId::kEmpty, page_id);
@@ -255,13 +259,19 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out) {
   if (count <= 0) throw InvalidArgument("alloc() needs a positive number of blocks, got " + std::to_string(count));
   std::lock_guard<std::mutex> lock(mu_);
   check_open();
+  kvcached::count(counters_.allocation_requests_total);
+  auto reject = [this] {
+    kvcached::count(counters_.allocation_failures_total);
+    kvcached::count(counters_.capacity_exhausted_total);
+    return false;
+  };
   const std::int64_t allowed = allowed_pages();
   std::int64_t used_pages = used_pages_.load(std::memory_order_relaxed);
-  if (used_pages > allowed) return false;  // a deferred shrink is in progress: allocation stops
+  if (used_pages > allowed) return reject();  // a deferred shrink is in progress: allocation stops
   const std::int64_t partial_free = partial_free_.load(std::memory_order_relaxed);
   if (count > partial_free + empty_free_.load(std::memory_order_relaxed) +
                   unmapped_pages_.load(std::memory_order_relaxed) * static_cast<std::int64_t>(page_bytes_ / config_.block_bytes))
-    return false;  // more than virtual capacity could ever give
+    return reject();  // more than virtual capacity could ever give
 
   const std::size_t start = out.size();
   std::int64_t need = count;
@@ -289,6 +299,7 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out) {
       } catch (...) {
         for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
         out.resize(start);
+        kvcached::count(counters_.allocation_errors_total);
         throw;
       }
       if (r != MapResult::kMapped) {
@@ -306,8 +317,11 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out) {
     for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
     out.resize(start);
     if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
+    return reject();
   }
-  return ok;
+  kvcached::count(counters_.allocation_successes_total);
+  kvcached::count(counters_.allocated_blocks_total, static_cast<std::uint64_t>(count));
+  return true;
 }
 
 void BlockAllocator::free(const std::int64_t* ids, std::size_t count) {
@@ -329,6 +343,10 @@ void BlockAllocator::free(const std::int64_t* ids, std::size_t count) {
     a = 0;
   }
   for (std::size_t i = 0; i < count; ++i) return_block(static_cast<std::int32_t>(ids[i]));
+  if (count > 0) {
+    kvcached::count(counters_.free_requests_total);
+    kvcached::count(counters_.freed_blocks_total, count);
+  }
   if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
 }
 
@@ -363,8 +381,11 @@ LimitResult BlockAllocator::set_memory_limit(std::uint64_t limit_bytes, std::opt
   const std::uint64_t current = limit_bytes_.load(std::memory_order_relaxed);
   const std::uint64_t current_rev = limit_revision_.load(std::memory_order_relaxed);
   const std::uint64_t rev = revision.value_or(current_rev + 1);
-  if (rev < current_rev) return {"stale", current, current_rev};
-  if (rev == current_rev && revision && limit_bytes != current) return {"conflict", current, current_rev};
+  count(counters_.resize_requests_total);
+  if (rev < current_rev || (rev == current_rev && revision && limit_bytes != current)) {
+    count(counters_.resize_errors_total);
+    return {rev < current_rev ? "stale" : "conflict", current, current_rev};
+  }
   limit_revision_.store(rev, std::memory_order_relaxed);
   limit_bytes_.store(limit_bytes, std::memory_order_relaxed);
   request_reclaim();
@@ -380,25 +401,34 @@ void BlockAllocator::request_reclaim() {
 
 void BlockAllocator::unmap_pages(const std::vector<std::int32_t>& victims) {
   const auto n = static_cast<std::size_t>(config_.num_buffers);
+  std::uint64_t errors = 0;
   try {
     backend_->fence();  // work launched before the blocks were freed must finish before their pages go
   } catch (const std::exception& e) {
-    record_error(e.what());
+    record_error(e);
+    ++errors;
   }
   for (const std::int32_t page_id : victims) {
     const auto p = static_cast<std::size_t>(page_id);
     PageState outcome = PageState::kUnmapped;
+    std::uint64_t unmaps = 0;
     for (std::size_t i = 0; i < n; ++i) {
       try {
         backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + p * page_bytes_, page_bytes_);
+        ++unmaps;
         if (backend_->handle_survives_unmap()) pool_->give_back(handles_[p * n + i]);
       } catch (const std::exception& e) {
-        record_error(e.what());
+        record_error(e);
+        ++errors;
         outcome = PageState::kBroken;  // never reuse a page in an unknown state
       }
     }
     // Page by page, so mapped_bytes never lags memory already given back (another engine may hold it).
     std::lock_guard<std::mutex> lock(mu_);
+    count(counters_.page_unmaps_total, unmaps);
+    count(counters_.mapping_errors_total, errors);
+    count(counters_.manager_page_releases_total);
+    errors = 0;
     pages_[p].state = outcome;
     bump(mapped_pages_, std::int64_t{-1});
     if (outcome == PageState::kUnmapped) {
@@ -456,8 +486,16 @@ std::uint64_t BlockAllocator::trim() {
 void BlockAllocator::clear() {
   std::lock_guard<std::mutex> lock(mu_);
   check_open();
+  std::uint64_t freed = 0;
   for (std::size_t b = 0; b < allocated_.size(); ++b) {
-    if (allocated_[b] && !(b == 0 && config_.reserve_null_block)) return_block(static_cast<std::int32_t>(b));
+    if (allocated_[b] && !(b == 0 && config_.reserve_null_block)) {
+      return_block(static_cast<std::int32_t>(b));
+      ++freed;
+    }
+  }
+  if (freed > 0) {
+    count(counters_.free_requests_total);
+    count(counters_.freed_blocks_total, freed);
   }
   if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "backend/memory_backend.h"
+#include "blocks/operation_counters.h"
 #include "pages/page_pool.h"
 
 namespace kvcached {
@@ -112,7 +113,9 @@ class BlockAllocator {
   std::uintptr_t buffer_address(std::int64_t buffer) const;
   std::shared_ptr<Reservation> reservation() const noexcept { return reservation_; }
   MemoryBackend& backend() const noexcept { return *backend_; }
-  std::string last_error() const;
+  // Counters and last error, read without the allocator lock.
+  const OperationCounters& counters() const noexcept { return counters_; }
+  std::shared_ptr<const ErrorRecord> last_error() const noexcept { return std::atomic_load(&last_error_); }
 
  private:
   enum class PageState : std::uint8_t { kUnmapped, kMapped, kUnmapping, kBroken };
@@ -151,7 +154,7 @@ class BlockAllocator {
   void request_reclaim();
   void reclaimer_loop();
   void check_open() const;
-  void record_error(const std::string& message);
+  void record_error(const std::exception& error);
 
   std::shared_ptr<MemoryBackend> backend_;
   AllocatorConfig config_;
@@ -190,8 +193,8 @@ class BlockAllocator {
   std::thread reclaimer_;
   std::mutex unmap_mu_;  // serializes reclaimer, trim() and close() unmapping
 
-  mutable std::mutex error_mu_;
-  std::string last_error_;
+  OperationCounters counters_;
+  std::shared_ptr<const ErrorRecord> last_error_;
 };
 
 }  // namespace kvcached

@@ -1,0 +1,1 @@
+"""Exporters: plugins that turn pool snapshots into a metrics backend's format."""

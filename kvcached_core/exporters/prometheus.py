@@ -1,0 +1,63 @@
+"""Prometheus exporter (``pip install kvcached-core[prometheus]``).
+
+One metric family per operation counter (``kvcached_<name>_total``) and per occupancy gauge
+(``kvcached_pool_<name>``), labelled by instance, pool_name and
+device, read from the live pools of this process at scrape time. Serve it on a port of your own with
+:func:`start_http_server`, or mount it in an engine's registry (the ``kvcached_mount_exporter`` hook does
+this for ``kvcached_core.plugins.mount_exporters(registry)``). prometheus_client is imported only when used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from .. import _native, registry
+from ..hookspecs import hookimpl
+
+PREFIX = "kvcached_"
+GAUGE_PREFIX = "kvcached_pool_"  # occupancy gauges; apart from the counters (allocated_blocks vs _total)
+LABELS = ("instance", "pool_name", "device")
+GAUGES = {
+    "total_blocks": "Blocks the pool can ever hand out",
+    "allocated_blocks": "Blocks allocated now",
+    "available_blocks": "Blocks alloc() could hand out now",
+    "mapped_bytes": "Physical memory mapped by the pool",
+    "used_bytes": "Bytes of allocated blocks",
+    "limit_bytes": "Memory limit of the pool (absent when unlimited)",
+}
+
+
+class KvcachedCollector:
+    """A prometheus_client collector over this process's live pools."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        pools = [(m, m.operation_snapshot(), m.snapshot()) for m in registry.live_managers() if not m.closed]
+        for name in _native.OPERATION_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name.removesuffix("_total"), name.replace("_", " "), labels=LABELS)
+            for mgr, ops, _ in pools:
+                family.add_metric([mgr.name, mgr.pool_name, mgr.device], ops[name])
+            yield family
+        for name, help_text in GAUGES.items():
+            family = GaugeMetricFamily(GAUGE_PREFIX + name, help_text, labels=LABELS)
+            for mgr, _, snap in pools:
+                if snap[name] is not None:
+                    family.add_metric([mgr.name, mgr.pool_name, mgr.device], snap[name])
+            yield family
+
+
+def start_http_server(port: int, addr: str = "127.0.0.1") -> Any:
+    """Serves this process's kvcached metrics on ``addr:port`` in a registry of their own."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import start_http_server as serve
+
+    own = CollectorRegistry()
+    own.register(KvcachedCollector())
+    return serve(port, addr=addr, registry=own)
+
+
+@hookimpl
+def kvcached_mount_exporter(registry: Any) -> None:  # noqa: F811 - the hook's name is fixed by the spec
+    registry.register(KvcachedCollector())
