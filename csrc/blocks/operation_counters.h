@@ -14,24 +14,25 @@
 
 namespace kvcached {
 
-#define KVCACHED_OPERATION_COUNTERS(_)                                                              \
+#define KVCACHED_OPERATION_COUNTERS(_)                                                                \
+  /* the alloc/free path touches only these five: they share one cache line */                        \
   _(allocation_requests_total)      /* alloc() calls with a valid count, counted before the attempt */ \
-  _(allocation_successes_total)     /* alloc() calls that returned blocks */                         \
-  _(allocation_failures_total)      /* alloc() calls that returned None (capacity rejections) */     \
-  _(capacity_exhausted_total)       /* rejections for virtual, physical or limit capacity */         \
-  _(allocation_errors_total)        /* alloc() calls that raised (a driver or mapping error) */      \
-  _(allocated_blocks_total)         /* blocks handed out by successful alloc() calls */              \
-  _(free_requests_total)            /* free() calls that freed blocks */                             \
-  _(freed_blocks_total)             /* blocks freed by callers */                                     \
-  _(manager_page_allocations_total) /* logical pages mapped for the pool */                          \
-  _(manager_page_releases_total)    /* logical pages unmapped */                                      \
-  _(page_maps_total)                /* backend map calls (one per buffer of a logical page) */       \
-  _(page_unmaps_total)              /* backend unmap calls */                                         \
-  _(mapping_errors_total)           /* backend map/unmap/fence calls that failed */                  \
-  _(resize_requests_total)          /* memory-limit changes asked for (in-process or by kvctl) */    \
+  _(allocation_successes_total)     /* alloc() calls that returned blocks */                           \
+  _(allocated_blocks_total)         /* blocks handed out by successful alloc() calls */                \
+  _(free_requests_total)            /* free() calls that freed blocks */                               \
+  _(freed_blocks_total)             /* blocks freed by callers */                                      \
+  _(allocation_failures_total)      /* alloc() calls that returned None (capacity rejections) */       \
+  _(capacity_exhausted_total)       /* rejections for virtual, physical or limit capacity */           \
+  _(allocation_errors_total)        /* alloc() calls that raised (a driver or mapping error) */        \
+  _(manager_page_allocations_total) /* logical pages mapped for the pool */                            \
+  _(manager_page_releases_total)    /* logical pages unmapped */                                       \
+  _(page_maps_total)                /* backend map calls (one per buffer of a logical page) */         \
+  _(page_unmaps_total)              /* backend unmap calls */                                          \
+  _(mapping_errors_total)           /* backend map/unmap/fence calls that failed */                    \
+  _(resize_requests_total)          /* memory-limit changes asked for (in-process or by kvctl) */      \
   _(resize_errors_total)            /* memory-limit changes refused (stale or conflicting revision) */
 
-struct OperationCounters {
+struct alignas(64) OperationCounters {
 #define KVCACHED_DECLARE_COUNTER(name) std::atomic<std::uint64_t> name{0};
   KVCACHED_OPERATION_COUNTERS(KVCACHED_DECLARE_COUNTER)
 #undef KVCACHED_DECLARE_COUNTER
