@@ -131,7 +131,7 @@ def report(plan: list[tuple[Segment, int | None]], revision: int) -> int:
                 )
                 print(
                     f"{info['name']} pid {info['owner_pid']} pool {info['pool_name']}: "
-                    f"limit {format_bytes(share)} {state}{note}"
+                    f"limit {'none' if share is None else format_bytes(share)} {state}{note}"
                 )
             else:
                 still.append((seg, share))

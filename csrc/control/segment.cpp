@@ -177,9 +177,10 @@ void ControlSegment::publish() noexcept {
 void ControlSegment::record_limit(const LimitResult& result) noexcept {
   if (seg_ == nullptr) return;
   seg_->applied_limit_bytes.store(result.limit_bytes);
-  seg_->applied_revision.store(result.revision);
   seg_->applied_status.store(static_cast<std::uint32_t>(status_of(result.status)));
   publish();
+  // Last, with release: a reader that sees this revision also sees its limit, status and state.
+  seg_->applied_revision.store(result.revision, std::memory_order_release);
 }
 
 void ControlSegment::apply_request(std::uint64_t limit, std::uint64_t revision) {
@@ -248,8 +249,8 @@ SegmentInfo read_segment(const std::string& path) {
   info.request_limit_bytes = s->request_limit_bytes.load();
   info.request_revision = s->request_revision.load();
   info.handled_revision = s->handled_revision.load(std::memory_order_acquire);  // first: outcomes precede it
+  info.applied_revision = s->applied_revision.load(std::memory_order_acquire);
   info.applied_limit_bytes = s->applied_limit_bytes.load();
-  info.applied_revision = s->applied_revision.load();
   info.applied_status = s->applied_status.load();
   constexpr auto r = std::memory_order_relaxed;
   for (int attempt = 0;; ++attempt) {
