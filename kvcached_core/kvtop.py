@@ -32,14 +32,15 @@ def bar(used: int, mapped: int, scale: int, width: int = BAR_WIDTH) -> str:
     return "[" + "#" * n_used + "+" * n_mapped + "." * (width - n_used - n_mapped) + "]"
 
 
-def frame(directory: str) -> tuple[str, list[dict]]:
-    """One screen of text and the rows it shows."""
+def frame(directory: str, live: bool = False) -> tuple[str, list[dict]]:
+    """One screen of text and the rows it shows (``live``: the refreshing view, which Ctrl-C quits)."""
     found = scan(directory)
     warn_skipped(found, "kvtop")
     table = rows(found.live)
     stamp = time.strftime("%H:%M:%S")
     total_mapped = sum(r["mapped_bytes"] for r in table)
-    lines = [f"kvtop {stamp}  {len(table)} pool(s)  mapped {format_bytes(total_mapped)}  (Ctrl-C quits)", ""]
+    quits = "  (Ctrl-C quits)" if live else ""
+    lines = [f"kvtop {stamp}  {len(table)} pool(s)  mapped {format_bytes(total_mapped)}{quits}", ""]
     header = f"{'NAME':<20} {'PID':>7} {'DEVICE':<7} {'POOL':<6} {'LIMIT':>8} {'MAPPED':>8} {'USED':>8}  BAR"
     lines.append(header)
     for r in table:
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(table, indent=2) if args.json else text)
             return 0
         while True:
-            text, _ = frame(directory)
+            text, _ = frame(directory, live=True)
             sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home + clear: redraw in place
             sys.stdout.flush()
             time.sleep(args.interval)
