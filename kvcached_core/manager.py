@@ -83,6 +83,8 @@ class KVCacheManager(_native.BlockAllocator):
         kind, index = parse_device(device)
         self.device = "cpu" if kind == "host" else f"cuda:{index}"
         self._control = None
+        self._labels = {"pool_name": self.pool_name, "name": self.name, "device": self.device}
+        self.num_buffers = self.num_layers * self.num_kv_buffers
         self.reserve_null_block = bool(reserve_null_block)
 
         def pick(value: Any, default: Any) -> Any:
@@ -93,7 +95,7 @@ class KVCacheManager(_native.BlockAllocator):
             backend,
             num_blocks=self.num_blocks,
             block_bytes=self.block_bytes,
-            num_buffers=self.num_layers * self.num_kv_buffers,
+            num_buffers=self.num_buffers,
             page_bytes=pick(page_bytes, s.page_bytes),
             reserve_null_block=self.reserve_null_block,
             reserved_pages=pick(reserved_pages, s.reserved_pages),
@@ -103,6 +105,9 @@ class KVCacheManager(_native.BlockAllocator):
             zero_on_map=bool(pick(zero_on_map, s.zero_on_map)),
         )
         # The hot calls as plain CPython methods (see csrc/bindings/fast_path.h): no pybind11 dispatch.
+        self._snapshot_labels = dict(
+            self._labels, block_bytes=self.block_bytes, page_bytes=self.page_bytes, num_buffers=self.num_buffers
+        )
         fast = self._fast_path()
         self.alloc = fast.alloc
         self.free = fast.free
@@ -177,20 +182,13 @@ class KVCacheManager(_native.BlockAllocator):
         """Cumulative operation counters (names in ``capabilities()["operation_counters"]``), the last error
         (code, time, message cut to a bound), and the pool's labels. Never takes the allocator lock."""
         ops = super().operation_snapshot()
-        ops.update(pool_name=self.pool_name, name=self.name, device=self.device)
+        ops.update(self._labels)
         return ops
 
     def snapshot(self) -> dict:
         """Pool occupancy: total/allocated/available blocks, mapped and used bytes, the limit, and labels."""
         snap = self._snapshot()
-        snap.update(
-            pool_name=self.pool_name,
-            name=self.name,
-            device=self.device,
-            block_bytes=self.block_bytes,
-            page_bytes=self.page_bytes,
-            num_buffers=self.num_layers * self.num_kv_buffers,
-        )
+        snap.update(self._snapshot_labels)
         return snap
 
     def __enter__(self) -> KVCacheManager:
