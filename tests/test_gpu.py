@@ -5,10 +5,10 @@ Run on the lent H200 by benchmarks/gpu/run_all.sh; results are kept in benchmark
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from conftest import requires_cuda, wait_for
-
-import kvcached_core as kc
 
 torch = pytest.importorskip("torch")
 
@@ -18,21 +18,9 @@ MiB = 1024 * 1024
 
 
 @pytest.fixture
-def cuda_manager(settings):
-    made = []
-
-    def make(**kwargs):
-        params = dict(num_blocks=4096, block_bytes=64 * 1024, num_layers=2, num_kv_buffers=2, device="cuda:0")
-        params.update(kwargs)
-        params.setdefault("settings", settings)
-        mgr = kc.KVCacheManager(**params)
-        made.append(mgr)
-        return mgr
-
-    yield make
-    torch.cuda.synchronize()
-    for mgr in made:
-        mgr.close()
+def cuda_manager(make_manager):
+    """make_manager on the GPU (close() fences outstanding GPU work before it unmaps)."""
+    return functools.partial(make_manager, device="cuda:0", num_blocks=4096)
 
 
 def test_map_write_read_unmap(cuda_manager):

@@ -87,6 +87,9 @@ class DictBuilder {
   }
   DictBuilder& set(const char* key, std::int64_t v) { return set(key, PyLong_FromLongLong(v)); }
   DictBuilder& set_u(const char* key, std::uint64_t v) { return set(key, PyLong_FromUnsignedLongLong(v)); }
+  DictBuilder& set_str(const char* key, const std::string& v) {
+    return set(key, PyUnicode_DecodeUTF8(v.data(), static_cast<Py_ssize_t>(v.size()), "replace"));
+  }
   DictBuilder& set_limit(const char* key, std::uint64_t v) {
     if (v != BlockAllocator::kNoLimit) return set_u(key, v);
     Py_INCREF(Py_None);
@@ -142,7 +145,7 @@ py::dict operation_snapshot(const BlockAllocator& a) {
   d.set("last_error_code", std::int64_t{error ? error->code : 0});
   if (error) {
     d.set("last_error_time", PyFloat_FromDouble(static_cast<double>(error->unix_ns) / 1e9));
-    d.set("last_error_message", PyUnicode_DecodeUTF8(error->message.data(), static_cast<Py_ssize_t>(error->message.size()), "replace"));
+    d.set_str("last_error_message", error->message);
   } else {
     Py_INCREF(Py_None);
     d.set("last_error_time", Py_None);
@@ -152,38 +155,37 @@ py::dict operation_snapshot(const BlockAllocator& a) {
 }
 
 py::dict segment_dict(const SegmentInfo& i) {
-  auto limit = [](std::uint64_t v) { return v == BlockAllocator::kNoLimit ? py::object(py::none()) : py::int_(v); };
   static const char* const kStatus[] = {"none", "applied", "deferred", "stale", "conflict"};
-  py::dict d;
-  d["owner_pid"] = i.owner_pid;
-  d["owner_uid"] = i.owner_uid;
-  d["owner_start_time"] = i.owner_start_time;
-  d["created_unix_ns"] = i.created_unix_ns;
-  d["engine"] = i.engine;
-  d["device"] = i.device;
-  d["name"] = i.instance_name;
-  d["pool_name"] = i.pool_name;
-  d["device_total_bytes"] = i.device_total_bytes;
-  d["virtual_bytes"] = i.virtual_bytes;
-  d["page_bytes"] = i.page_bytes;
-  d["block_bytes"] = i.block_bytes;
-  d["num_buffers"] = i.num_buffers;
-  d["request_limit_bytes"] = limit(i.request_limit_bytes);
-  d["request_revision"] = i.request_revision;
-  d["applied_limit_bytes"] = limit(i.applied_limit_bytes);
-  d["applied_revision"] = i.applied_revision;
-  d["handled_revision"] = i.handled_revision;
-  d["limit_status"] = i.applied_status < 5 ? kStatus[i.applied_status] : "unknown";
-  d["publish_unix_ns"] = i.publish_unix_ns;
-  d["total_blocks"] = i.total_blocks;
-  d["allocated_blocks"] = i.allocated_blocks;
-  d["available_blocks"] = i.available_blocks;
-  d["mapped_bytes"] = i.mapped_bytes;
-  d["used_bytes"] = i.used_bytes;
-  d["limit_bytes"] = limit(i.limit_bytes);
-  d["limit_revision"] = i.limit_revision;
-  d["pool_ready_handles"] = i.pool_ready_handles;
-  return d;
+  return DictBuilder()
+      .set("owner_pid", std::int64_t{i.owner_pid})
+      .set_u("owner_uid", i.owner_uid)
+      .set_u("owner_start_time", i.owner_start_time)
+      .set_u("created_unix_ns", i.created_unix_ns)
+      .set_str("engine", i.engine)
+      .set_str("device", i.device)
+      .set_str("name", i.instance_name)
+      .set_str("pool_name", i.pool_name)
+      .set_u("device_total_bytes", i.device_total_bytes)
+      .set_u("virtual_bytes", i.virtual_bytes)
+      .set_u("page_bytes", i.page_bytes)
+      .set_u("block_bytes", i.block_bytes)
+      .set_u("num_buffers", i.num_buffers)
+      .set_limit("request_limit_bytes", i.request_limit_bytes)
+      .set_u("request_revision", i.request_revision)
+      .set_limit("applied_limit_bytes", i.applied_limit_bytes)
+      .set_u("applied_revision", i.applied_revision)
+      .set_u("handled_revision", i.handled_revision)
+      .set_str("limit_status", i.applied_status < 5 ? kStatus[i.applied_status] : "unknown")
+      .set_u("publish_unix_ns", i.publish_unix_ns)
+      .set("total_blocks", i.total_blocks)
+      .set("allocated_blocks", i.allocated_blocks)
+      .set("available_blocks", i.available_blocks)
+      .set_u("mapped_bytes", i.mapped_bytes)
+      .set_u("used_bytes", i.used_bytes)
+      .set_limit("limit_bytes", i.limit_bytes)
+      .set_u("limit_revision", i.limit_revision)
+      .set("pool_ready_handles", i.pool_ready_handles)
+      .done();
 }
 
 }  // namespace
