@@ -75,6 +75,8 @@ def test_views_keep_address_space_reserved_after_close(make_manager):
     mgr.close()  # physical memory goes; the view's address range stays reserved until the view dies
     assert view.numel() == 1024 * 64 * 1024
     del view
+    with pytest.raises(kc.ClosedError):
+        mgr.buffer(0, 0)  # no new view of memory that is gone
 
 
 HOLDER = textwrap.dedent(

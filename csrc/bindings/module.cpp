@@ -46,6 +46,7 @@ void capsule_destructor(PyObject* capsule) {
 }
 
 py::object export_bytes(const BlockAllocator& a, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
+  if (a.closed()) throw ClosedError("this KV cache manager is closed: its memory cannot be viewed");
   if (offset < 0 || nbytes <= 0 || static_cast<std::size_t>(offset + nbytes) > a.buffer_stride())
     throw InvalidArgument("byte range [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
                           ") is outside a buffer of " + std::to_string(a.buffer_stride()) + " bytes");
