@@ -10,6 +10,7 @@ from ._native import BackendError, ClosedError, SegmentError
 from .backends import available_backends, cuda_unavailable_reason
 from .config import ConfigError, Settings, load_settings
 from .manager import KVCacheManager
+from .mirror import PageMirror
 from .units import format_bytes, parse_size
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "ConfigError",
     "SegmentError",
     "KVCacheManager",
+    "PageMirror",
     "Settings",
     "__version__",
     "available_backends",

@@ -43,6 +43,22 @@ def available_backends() -> list[str]:
     return ["host"] + (["cuda"] if cuda_unavailable_reason() == "" else [])
 
 
+def planner_backend(device: DeviceLike, settings: Settings) -> _native.PlannerBackend:
+    """A bookkeeping-only backend for a manager whose workers map ``device``'s memory themselves.
+
+    Its pages follow the device's granularity: read from the device where this process can use it,
+    else 2 MiB for CUDA (every VMM-capable GPU's) and the OS page for the host.
+    """
+    kind, index = parse_device(device)
+    if kind == "host":
+        granularity = get_backend("cpu", settings).granularity
+    elif cuda_unavailable_reason() == "":
+        granularity = get_backend(f"cuda:{index}", settings).granularity
+    else:
+        granularity = 2 << 20
+    return _native.PlannerBackend("cuda" if kind == "cuda" else "cpu", index, granularity)
+
+
 def get_backend(device: DeviceLike, settings: Settings) -> _native.MemoryBackend:
     """The process-wide backend for ``device`` (created on first use)."""
     kind, index = parse_device(device)

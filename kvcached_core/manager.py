@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from . import _native, registry, segment
-from .backends import DeviceLike, get_backend, parse_device
+from .backends import DeviceLike, get_backend, parse_device, planner_backend
 from .config import Settings, load_settings
+from .runtime_dir import ensure_runtime_dir
+from .tensors import KVTensorViews
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -37,7 +39,7 @@ def _engine_label() -> str:
     return "python"
 
 
-class KVCacheManager(_native.BlockAllocator):
+class KVCacheManager(_native.BlockAllocator, KVTensorViews):
     """An elastic KV cache: block ids over virtual memory that is mapped page by page while blocks are used.
 
     ``alloc(count)``, ``free(ids)`` and ``available_size()`` are native CPython methods (no Python frame
@@ -63,6 +65,7 @@ class KVCacheManager(_native.BlockAllocator):
         pool_target: int | None = None,
         pool_max: int | None = None,
         zero_on_map: bool | None = None,
+        mapped_by_workers: bool = False,
         settings: Settings | None = None,
     ) -> None:
         """Reserve address space for ``num_blocks`` blocks of ``block_bytes`` in each of
@@ -71,6 +74,10 @@ class KVCacheManager(_native.BlockAllocator):
         Keyword arguments left as None take their value from ``settings`` (default: the KVCACHED_*
         environment, see the README). Raises ValueError for bad geometry and RuntimeError when the
         device cannot be used.
+
+        With ``mapped_by_workers`` this manager only plans (DESIGN.md principle 6): it maps nothing, and
+        publishes the pages it wants mapped in a page table (``page_table_path``) that worker processes
+        follow with :class:`kvcached_core.PageMirror`, each on its own device.
         """
         s = settings if settings is not None else load_settings()
         self.num_blocks = _positive_int("num_blocks", num_blocks)
@@ -90,7 +97,11 @@ class KVCacheManager(_native.BlockAllocator):
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
-        backend = get_backend(self.device, s)
+        backend = planner_backend(self.device, s) if mapped_by_workers else get_backend(self.device, s)
+        if mapped_by_workers:
+            # A planner's handles are free tokens; one keeps the pool thread, which refreshes what the
+            # workers report they can hold, running.
+            pool_target, pool_max = 1, 1
         super().__init__(
             backend,
             num_blocks=self.num_blocks,
@@ -112,6 +123,9 @@ class KVCacheManager(_native.BlockAllocator):
         self.alloc = fast.alloc
         self.free = fast.free
         self.available_size = fast.available_size
+        self._page_table = None
+        if mapped_by_workers:
+            self._page_table = self._open_page_table(s, backend)
         if s.control:
             try:
                 self._control = self._open_control_segment(s, backend.mem_info()[1], s.watch_interval_ms)
@@ -119,6 +133,23 @@ class KVCacheManager(_native.BlockAllocator):
                 super().close()
                 raise
         registry.register(self)
+
+    def _open_page_table(self, settings: Settings, backend: _native.PlannerBackend) -> _native.PageTable:
+        directory = ensure_runtime_dir(os.path.join(ensure_runtime_dir(settings.resolved_runtime_dir()), "pagetables"))
+        path = os.path.join(directory, f"{os.getpid()}-{uuid.uuid4().hex[:12]}.pt")
+        try:
+            table = _native.PageTable.create(path, self, self.num_layers, self.num_kv_buffers)
+            _native._attach_page_table(self, table)
+            backend._follow(table)
+        except BaseException:
+            super().close()
+            raise
+        return table
+
+    @property
+    def page_table_path(self) -> str | None:
+        """Where workers find this planner's page table (None unless ``mapped_by_workers``)."""
+        return None if self._page_table is None else self._page_table.path
 
     def _open_control_segment(self, settings: Settings, device_total: int, poll_ms: int) -> _native.ControlSegment:
         directory = segment.segment_dir(settings)
@@ -176,6 +207,8 @@ class KVCacheManager(_native.BlockAllocator):
         if self._control is not None:
             self._control.close()
         super().close()
+        if self._page_table is not None:
+            self._page_table.unlink()  # workers keep their mappings until they close their mirrors
         registry.unregister(self)
 
     def operation_snapshot(self) -> dict:
@@ -203,46 +236,3 @@ class KVCacheManager(_native.BlockAllocator):
             f"KVCacheManager(name={self.name!r}, pool_name={self.pool_name!r}, device={self.device!r}, "
             f"num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, {state})"
         )
-
-    # -- tensors --------------------------------------------------------------------------------------
-
-    def buffer_index(self, layer: int, kv: int = 0) -> int:
-        """Index of the buffer holding ``layer``'s K (kv=0) or V (kv=1) blocks."""
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        if not 0 <= kv < self.num_kv_buffers:
-            raise ValueError(f"kv {kv} out of range [0, {self.num_kv_buffers})")
-        return layer * self.num_kv_buffers + kv
-
-    def buffer(self, layer: int = 0, kv: int = 0):
-        """One buffer as a flat ``torch.uint8`` tensor of ``num_blocks * block_bytes`` bytes.
-
-        Block ``b`` is bytes ``[b * block_bytes, (b + 1) * block_bytes)``. This is the form of an engine
-        that allocates one backing buffer per KV tensor and slices it itself. Touch only allocated blocks:
-        other pages may be unmapped.
-        """
-        import torch
-
-        capsule = self._export_bytes(self.buffer_index(layer, kv), 0, self.num_blocks * self.block_bytes)
-        return torch.from_dlpack(capsule)
-
-    def kv_tensors(self, block_shape: tuple[int, ...], dtype) -> list[list]:
-        """Per-layer views: ``result[layer][kv]`` has shape ``(num_blocks, *block_shape)`` and ``dtype``.
-
-        ``prod(block_shape) * dtype.itemsize`` must equal ``block_bytes``.
-        """
-        import torch
-
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if math.prod(block_shape) * itemsize != self.block_bytes:
-            raise ValueError(
-                f"block_shape {tuple(block_shape)} of {dtype} is {math.prod(block_shape) * itemsize} bytes, "
-                f"but this manager's blocks are {self.block_bytes} bytes"
-            )
-        return [
-            [
-                self.buffer(layer, kv).view(dtype).view(self.num_blocks, *block_shape)
-                for kv in range(self.num_kv_buffers)
-            ]
-            for layer in range(self.num_layers)
-        ]

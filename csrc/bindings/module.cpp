@@ -11,9 +11,12 @@
 #include <vector>
 
 #include "backend/host_backend.h"
+#include "backend/planner_backend.h"
 #include "bindings/dlpack.h"
 #include "bindings/fast_path.h"
 #include "blocks/block_allocator.h"
+#include "pages/page_mirror.h"
+#include "pages/page_table.h"
 #include "common/errors.h"
 #include "common/process.h"
 #include "control/segment.h"
@@ -45,17 +48,19 @@ void capsule_destructor(PyObject* capsule) {
   }
 }
 
-py::object export_bytes(const BlockAllocator& a, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
-  if (a.closed()) throw ClosedError("this KV cache manager is closed: its memory cannot be viewed");
-  if (offset < 0 || nbytes <= 0 || static_cast<std::size_t>(offset + nbytes) > a.buffer_stride())
+// A flat uint8 view of [offset, offset + nbytes) of one buffer starting at `address`.
+py::object export_view(std::shared_ptr<Reservation> reservation, std::uintptr_t address, std::size_t stride,
+                       std::int64_t offset, std::int64_t nbytes) {
+  if (offset < 0 || nbytes <= 0 || static_cast<std::size_t>(offset + nbytes) > stride)
     throw InvalidArgument("byte range [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
-                          ") is outside a buffer of " + std::to_string(a.buffer_stride()) + " bytes");
+                          ") is outside a buffer of " + std::to_string(stride) + " bytes");
   auto* view = new ExportedView();
-  view->reservation = a.reservation();
+  MemoryBackend& backend = reservation->backend();
+  view->reservation = std::move(reservation);
   view->shape[0] = nbytes;
   DLTensor& t = view->managed.dl_tensor;
-  t.data = reinterpret_cast<void*>(a.buffer_address(buffer) + static_cast<std::size_t>(offset));
-  t.device = {static_cast<std::int32_t>(a.backend().device_kind()), a.backend().device_index()};
+  t.data = reinterpret_cast<void*>(address + static_cast<std::size_t>(offset));
+  t.device = {static_cast<std::int32_t>(backend.device_kind()), backend.device_index()};
   t.ndim = 1;
   t.dtype = {1, 8, 1};
   t.shape = view->shape;
@@ -69,6 +74,18 @@ py::object export_bytes(const BlockAllocator& a, std::int64_t buffer, std::int64
     throw py::error_already_set();
   }
   return py::reinterpret_steal<py::object>(capsule);
+}
+
+py::object export_bytes(const BlockAllocator& a, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
+  if (a.closed()) throw ClosedError("this KV cache manager is closed: its memory cannot be viewed");
+  if (a.backend().name() == "planner")
+    throw InvalidArgument("this manager only plans: its memory lives in the workers (use PageMirror there)");
+  return export_view(a.reservation(), a.buffer_address(buffer), a.buffer_stride(), offset, nbytes);
+}
+
+py::object export_mirror_bytes(const PageMirror& m, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
+  if (m.closed()) throw ClosedError("this page mirror is closed: its memory cannot be viewed");
+  return export_view(m.reservation(), m.buffer_address(buffer), m.buffer_stride(), offset, nbytes);
 }
 
 // Snapshots are polled by collectors: built with the C API (a quarter of pybind11's per-item cost).
@@ -329,4 +346,61 @@ PYBIND11_MODULE(_native, m) {
   m.def("process_alive", &process_alive, py::arg("pid"), py::arg("start_time"),
         "True when pid runs (not a zombie) and started at start_time (0 = do not compare).");
   m.def("process_start_time", &process_start_time, py::arg("pid"));
+
+  py::class_<PlannerBackend, MemoryBackend, std::shared_ptr<PlannerBackend>>(m, "PlannerBackend")
+      .def(py::init([](const std::string& kind, int index, std::size_t granularity) {
+             return std::make_shared<PlannerBackend>(kind == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu, index,
+                                                     granularity);
+           }),
+           py::arg("kind"), py::arg("device_index"), py::arg("granularity"))
+      .def("_follow", [](PlannerBackend& b, std::shared_ptr<PageTable> table) {
+             b.set_allocatable_source([table] { return table->worker_allocatable_bytes(); });
+           }, py::arg("table"), "Bound what the planner plans by what the table's workers report.");
+
+  py::class_<PageTable, std::shared_ptr<PageTable>>(m, "PageTable")
+      .def_static("create", [](const std::string& path, const BlockAllocator& a, std::int64_t num_layers,
+                               std::int64_t num_kv_buffers) {
+             PageTableGeometry g;
+             g.num_blocks = a.config().num_blocks;
+             g.block_bytes = a.config().block_bytes;
+             g.num_layers = num_layers;
+             g.num_kv_buffers = num_kv_buffers;
+             g.page_bytes = static_cast<std::int64_t>(a.page_bytes());
+             g.num_pages = static_cast<std::int64_t>(a.buffer_stride() / a.page_bytes());
+             return std::make_shared<PageTable>(PageTable::create(path, g));
+           }, py::arg("path"), py::arg("allocator"), py::arg("num_layers"), py::arg("num_kv_buffers"))
+      .def_property_readonly("path", &PageTable::path)
+      .def("unlink", &PageTable::unlink)
+      .def("worker_allocatable_bytes", &PageTable::worker_allocatable_bytes);
+
+  m.def("_attach_page_table", &BlockAllocator::attach_page_table, py::arg("allocator"), py::arg("table"));
+
+  py::class_<PageMirror, std::shared_ptr<PageMirror>>(m, "PageMirror")
+      .def(py::init<const std::string&, std::shared_ptr<MemoryBackend>, std::size_t, std::size_t>(),
+           py::arg("path"), py::arg("backend"), py::arg("pool_target"), py::arg("pool_max"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("sync", [](PageMirror& mirror) {
+             SyncResult r;
+             {
+               py::gil_scoped_release release;
+               r = mirror.sync();
+             }
+             return DictBuilder().set("mapped", r.mapped).set("unmapped", r.unmapped).set_u("generation", r.generation).done();
+           }, "Bring this worker's mappings to the planner's page bitmap (call at the start of each step).")
+      .def("close", &PageMirror::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &PageMirror::closed)
+      .def_property_readonly("mapped_pages", &PageMirror::mapped_pages)
+      .def_property_readonly("buffer_stride", &PageMirror::buffer_stride)
+      .def_property_readonly("geometry", [](const PageMirror& mirror) {
+             const PageTableGeometry& g = mirror.geometry();
+             return DictBuilder()
+                 .set("num_blocks", g.num_blocks)
+                 .set("block_bytes", g.block_bytes)
+                 .set("num_layers", g.num_layers)
+                 .set("num_kv_buffers", g.num_kv_buffers)
+                 .set("page_bytes", g.page_bytes)
+                 .set("num_pages", g.num_pages)
+                 .done();
+           })
+      .def("_export_bytes", &export_mirror_bytes, py::arg("buffer"), py::arg("offset"), py::arg("nbytes"));
 }

@@ -20,11 +20,6 @@ void bump(std::atomic<T>& counter, T delta) {
 }
 }  // namespace
 
-Reservation::Reservation(std::shared_ptr<MemoryBackend> backend, std::size_t bytes)
-    : backend_(std::move(backend)), base_(backend_->reserve(bytes)), bytes_(bytes) {}
-
-Reservation::~Reservation() { backend_->free_reservation(base_, bytes_); }
-
 BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const AllocatorConfig& config)
     : backend_(std::move(backend)), config_(config) {
   const auto& c = config_;
@@ -107,6 +102,14 @@ std::uintptr_t BlockAllocator::buffer_address(std::int64_t buffer) const {
     throw InvalidArgument("buffer index " + std::to_string(buffer) + " out of range [0, " +
                           std::to_string(config_.num_buffers) + ")");
   return reservation_->base() + static_cast<std::size_t>(buffer) * buffer_stride_;
+}
+
+void BlockAllocator::attach_page_table(std::shared_ptr<PageTable> table) {
+  std::lock_guard<std::mutex> lock(mu_);
+  page_table_ = std::move(table);
+  for (std::size_t p = 0; p < pages_.size(); ++p) {
+    if (pages_[p].state == PageState::kMapped) page_table_->set_page(static_cast<std::int64_t>(p), true);
+  }
 }
 
 void BlockAllocator::check_open() const {
@@ -244,6 +247,7 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
     }
   }
   unmapped_.pop_back();
+  if (page_table_) page_table_->set_page(page_id, true);  // before any block of it is handed out
   count(counters_.manager_page_allocations_total);
   Page& page = pages_[static_cast<std::size_t>(page_id)];
   page.state = PageState::kMapped;
@@ -429,6 +433,7 @@ void BlockAllocator::unmap_pages(const std::vector<std::int32_t>& victims) {
     count(counters_.mapping_errors_total, errors);
     count(counters_.manager_page_releases_total);
     errors = 0;
+    if (page_table_) page_table_->set_page(page_id, false);
     pages_[p].state = outcome;
     bump(mapped_pages_, std::int64_t{-1});
     if (outcome == PageState::kUnmapped) {

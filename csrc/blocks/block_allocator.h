@@ -24,8 +24,10 @@
 #include <vector>
 
 #include "backend/memory_backend.h"
+#include "backend/reservation.h"
 #include "blocks/operation_counters.h"
 #include "pages/page_pool.h"
+#include "pages/page_table.h"
 
 namespace kvcached {
 
@@ -40,22 +42,6 @@ struct AllocatorConfig {
   std::int64_t pool_target = 4;       // physical handles the pool thread keeps ready (0 = no thread)
   std::int64_t pool_max = 16;         // bound on pooled handles
   bool zero_on_map = false;           // zero pages when they are mapped
-};
-
-// The address range of all buffers. Shared with exported tensor views so the address space outlives
-// close() while a view still exists (physical memory does not).
-class Reservation {
- public:
-  Reservation(std::shared_ptr<MemoryBackend> backend, std::size_t bytes);
-  ~Reservation();
-  std::uintptr_t base() const noexcept { return base_; }
-  std::size_t bytes() const noexcept { return bytes_; }
-  MemoryBackend& backend() const noexcept { return *backend_; }
-
- private:
-  std::shared_ptr<MemoryBackend> backend_;
-  std::uintptr_t base_;
-  std::size_t bytes_;
 };
 
 struct LimitResult {
@@ -105,6 +91,10 @@ class BlockAllocator {
   bool closed() const noexcept { return closed_.load(std::memory_order_acquire); }
 
   AllocatorSnapshot snapshot() const noexcept;
+
+  // Publishes every page this allocator maps or unmaps to `table`, starting with those mapped now, so
+  // worker processes can mirror them (a planner whose backend is a PlannerBackend).
+  void attach_page_table(std::shared_ptr<PageTable> table);
 
   // Geometry, for tensor views.
   const AllocatorConfig& config() const noexcept { return config_; }
@@ -162,6 +152,7 @@ class BlockAllocator {
   std::size_t buffer_stride_ = 0;
   std::shared_ptr<Reservation> reservation_;
   std::unique_ptr<PagePool> pool_;
+  std::shared_ptr<PageTable> page_table_;  // written under mu_
 
   mutable std::mutex mu_;
   std::vector<Page> pages_;

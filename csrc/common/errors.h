@@ -23,6 +23,13 @@ class BackendError : public std::runtime_error {
   int code_;
 };
 
+// A shared-memory file that cannot be used (corrupt, truncated, another version or owner).
+// -> kvcached_core.SegmentError (a ValueError)
+class SegmentError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
 // The object was used after close(). -> RuntimeError
 class ClosedError : public std::runtime_error {
  public:

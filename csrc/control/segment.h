@@ -13,16 +13,10 @@
 #include <thread>
 
 #include "blocks/block_allocator.h"
+#include "common/errors.h"
 #include "control/segment_layout.h"
 
 namespace kvcached {
-
-// A file in the segment directory that cannot be used (corrupt, truncated, foreign version or owner).
-// -> kvcached_core.SegmentError (a ValueError)
-class SegmentError : public std::invalid_argument {
- public:
-  using std::invalid_argument::invalid_argument;
-};
 
 struct SegmentIdentity {
   std::string engine;

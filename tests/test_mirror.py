@@ -1,0 +1,165 @@
+"""Principle 6 on the host backend: a planner process decides, worker processes map (real processes,
+a real shared page table, real memory in each worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import wait_for
+
+import kvcached_core as kc
+
+PER_PAGE = 32  # 64 KiB blocks in 2 MiB pages
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys, torch, kvcached_core as kc
+    settings = kc.load_settings({}, runtime_dir=sys.argv[2], host_device_bytes=int(sys.argv[3]))
+    mirror = kc.PageMirror(sys.argv[1], "cpu", settings=settings, pool_target=0)
+    kv = mirror.kv_tensors((16, 1024), torch.float32)      # 64 KiB blocks
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "sync":
+            out = mirror.sync()
+            out.update(mapped_pages=mirror.mapped_pages, rss=rss())
+            print(json.dumps(out), flush=True)
+        elif cmd == "write":                                  # write BLOCK:VALUE ...
+            for item in args:
+                b, v = map(int, item.split(":"))
+                for layer in kv:
+                    for t in layer:
+                        t[b].fill_(v)
+            print("ok", flush=True)
+        elif cmd == "check":                                  # check BLOCK:VALUE ...
+            bad = [item for item in args for b, v in [map(int, item.split(":"))]
+                   if not all(bool(torch.all(t[b] == v)) for layer in kv for t in layer)]
+            print("bad " + " ".join(bad) if bad else "ok", flush=True)
+    mirror.close()
+    """
+)
+
+
+class Worker:
+    def __init__(self, table: str, runtime: str, budget: int = 0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER, table, runtime, str(budget)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(runtime),
+        )
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def ask(self, *words: object) -> str:
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def sync(self) -> dict:
+        return json.loads(self.ask("sync"))
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=20) == 0
+
+
+@pytest.fixture
+def planner(tmp_path):
+    runtime = str(tmp_path / "rt")
+    s = kc.load_settings({}, runtime_dir=runtime, reclaim_delay_ms=60_000)  # pages go only at trim()
+    mgr = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="planned", settings=s, reserved_pages=0, mapped_by_workers=True)
+    yield mgr, runtime
+    mgr.close()
+
+
+def test_planner_maps_nothing_itself(planner):
+    mgr, _ = planner
+    assert mgr.page_table_path and os.stat(mgr.page_table_path).st_mode & 0o777 == 0o600
+    ids = mgr.alloc(100)
+    assert mgr.snapshot()["mapped_pages"] == 4  # planned ...
+    with pytest.raises(ValueError, match="only plans"):
+        mgr.buffer(0, 0)  # ... but there is no memory here to view
+    mgr.free(ids)
+
+
+def test_two_workers_follow_the_planner_with_intact_data(planner):
+    """TP=2 on the host: one planner, two worker processes, each mapping its own memory."""
+    mgr, runtime = planner
+    workers = [Worker(mgr.page_table_path, runtime) for _ in range(2)]
+    rng = random.Random(7)
+    held: dict[int, int] = {}
+    try:
+        for step in range(40):
+            ids = mgr.alloc(rng.randint(1, 120)) or []
+            for b in ids:
+                held[b] = step * 10_000 + b
+            victims = [b for b in held if b not in ids and rng.random() < 0.4]
+            mgr.free(victims)
+            for b in victims:
+                del held[b]
+            mgr.trim() if step % 5 == 0 else None
+            planned = mgr.snapshot()["mapped_pages"]
+            for w in workers:
+                assert w.sync()["mapped_pages"] == planned  # the step starts with exactly the planned pages
+                if ids:
+                    assert w.ask("write", *(f"{b}:{held[b]}" for b in ids)) == "ok"
+                assert w.ask("check", *(f"{b}:{v}" for b, v in held.items())) == "ok"
+        mgr.free(list(held))
+        mgr.trim()
+        for w in workers:
+            out = w.sync()
+            assert out["mapped_pages"] == 0 and out["unmapped"] > 0
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_worker_memory_follows_the_plan(planner):
+    mgr, runtime = planner
+    w = Worker(mgr.page_table_path, runtime)
+    try:
+        base = w.sync()["rss"]
+        ids = mgr.alloc(PER_PAGE * 16)  # 16 logical pages x 4 buffers x 2 MiB = 128 MiB in the worker
+        grown = w.sync()
+        assert grown["mapped"] == 16
+        assert w.ask("write", *(f"{b}:1" for b in ids)) == "ok"
+        assert w.sync()["rss"] - base >= 120 * 2**20
+        mgr.free(ids)
+        mgr.trim()
+        shrunk = w.sync()
+        assert shrunk["unmapped"] == 16 and shrunk["rss"] - base < 16 * 2**20
+    finally:
+        w.stop()
+
+
+def test_planner_plans_no_more_than_workers_can_hold(planner):
+    mgr, runtime = planner
+    budget = 64 * 2**20  # the worker's device: 8 logical pages
+    w = Worker(mgr.page_table_path, runtime, budget)
+    try:
+        w.sync()  # reports what its device can give
+        assert wait_for(lambda: mgr.available_size() <= 8 * PER_PAGE)
+        assert mgr.available_size() >= 7 * PER_PAGE
+    finally:
+        w.stop()
+
+
+def test_foreign_or_bad_page_table_is_refused(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"\0" * 4096)
+    bad.chmod(0o600)
+    with pytest.raises(kc.SegmentError, match="not a page table"):
+        kc.PageMirror(str(bad), "cpu")
+    with pytest.raises(kc.SegmentError, match="cannot open"):
+        kc.PageMirror(str(tmp_path / "missing.pt"), "cpu")
