@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import wait_for
+from conftest import cuda_available, wait_for
 
 import kvcached_core as kc
 
@@ -21,8 +21,9 @@ WORKER = textwrap.dedent(
     """
     import json, sys, torch, kvcached_core as kc
     settings = kc.load_settings({}, runtime_dir=sys.argv[2], host_device_bytes=int(sys.argv[3]))
-    mirror = kc.PageMirror(sys.argv[1], "cpu", settings=settings, pool_target=0)
+    mirror = kc.PageMirror(sys.argv[1], sys.argv[4], settings=settings, pool_target=0)
     kv = mirror.kv_tensors((16, 1024), torch.float32)      # 64 KiB blocks
+    sync_device = torch.cuda.synchronize if sys.argv[4].startswith("cuda") else (lambda: None)
     def rss():
         for line in open("/proc/self/status"):
             if line.startswith("VmRSS:"):
@@ -40,6 +41,7 @@ WORKER = textwrap.dedent(
                 for layer in kv:
                     for t in layer:
                         t[b].fill_(v)
+            sync_device()
             print("ok", flush=True)
         elif cmd == "check":                                  # check BLOCK:VALUE ...
             bad = [item for item in args for b, v in [map(int, item.split(":"))]
@@ -51,9 +53,9 @@ WORKER = textwrap.dedent(
 
 
 class Worker:
-    def __init__(self, table: str, runtime: str, budget: int = 0) -> None:
+    def __init__(self, table: str, runtime: str, budget: int = 0, device: str = "cpu") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, table, runtime, str(budget)],
+            [sys.executable, "-c", WORKER, table, runtime, str(budget), device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -74,11 +76,24 @@ class Worker:
         assert self.proc.wait(timeout=20) == 0
 
 
-@pytest.fixture
-def planner(tmp_path):
+def make_planner(tmp_path, device: str = "cpu") -> tuple[kc.KVCacheManager, str]:
     runtime = str(tmp_path / "rt")
     s = kc.load_settings({}, runtime_dir=runtime, reclaim_delay_ms=60_000)  # pages go only at trim()
-    mgr = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="planned", settings=s, reserved_pages=0, mapped_by_workers=True)
+    mgr = kc.KVCacheManager(
+        1024, 64 * 1024, 2, 2, device=device, name="planned", settings=s, reserved_pages=0, mapped_by_workers=True
+    )
+    return mgr, runtime
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.fixture
+def planner(tmp_path):
+    mgr, runtime = make_planner(tmp_path)
     yield mgr, runtime
     mgr.close()
 
@@ -96,7 +111,22 @@ def test_planner_maps_nothing_itself(planner):
 def test_two_workers_follow_the_planner_with_intact_data(planner):
     """TP=2 on the host: one planner, two worker processes, each mapping its own memory."""
     mgr, runtime = planner
-    workers = [Worker(mgr.page_table_path, runtime) for _ in range(2)]
+    run_two_workers(mgr, [Worker(mgr.page_table_path, runtime) for _ in range(2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available() or torch_cuda_count() < 2, reason="needs two CUDA devices")
+def test_two_gpu_workers_follow_the_planner_with_intact_data(tmp_path):
+    """TP=2 on two GPUs: the planner maps nothing; each worker process maps its own GPU's memory."""
+    mgr, runtime = make_planner(tmp_path, "cuda:0")
+    try:
+        run_two_workers(mgr, [Worker(mgr.page_table_path, runtime, device=f"cuda:{rank}") for rank in range(2)])
+    finally:
+        mgr.close()
+
+
+def run_two_workers(mgr: kc.KVCacheManager, workers: list[Worker]) -> None:
+    """Random steps: the planner allocates and frees; every worker syncs, writes new blocks, checks all."""
     rng = random.Random(7)
     held: dict[int, int] = {}
     try:

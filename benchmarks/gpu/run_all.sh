@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds kvcached-core on a CUDA machine, runs the whole test suite (GPU tests included), the CUDA
-# benchmarks and both examples on the GPU, and writes logs, JSON and plots into one folder (8 files).
+# benchmarks, the GPU proof and both examples on the GPU; logs, JSON and a plot go into one folder (8 files).
 #
 #   bash benchmarks/gpu/run_all.sh [OUTPUT_DIR]      (default: $OUT, else ./gpu-out)
 #
@@ -41,9 +41,14 @@ step() {  # step NAME COMMAND...: run from /tmp, append to run.log, remember a f
 step "alloc_free cuda" "$py" "$repo/benchmarks/alloc_free.py" --device cuda --page-samples 64 \
   --out "$out/alloc_free_cuda.json"
 step "control_plane cuda" "$py" "$repo/benchmarks/control_plane.py" --device cuda --out "$out/control_plane_cuda.json"
-step "example 00 on cuda" "$py" "$repo/examples/00_two_processes/run.py" --device cuda \
-  --plot "$out/two_processes_cuda.png"
+step "proof (churn 1e5 ops, unmap race, two processes, throughput, idle footprint)" \
+  "$py" "$repo/benchmarks/gpu/proof.py" --out "$out/proof_cuda.json"
+if command -v compute-sanitizer > /dev/null; then
+  step "compute-sanitizer memcheck (short churn)" timeout 300 compute-sanitizer --tool memcheck \
+    "$py" "$repo/benchmarks/gpu/proof.py" --short
+fi
+step "example 00 on cuda" "$py" "$repo/examples/00_two_processes/run.py" --device cuda
 step "example 02 on cuda" "$py" "$repo/examples/02_memory_control/run.py" --device cuda \
   --plot "$out/memory_control_cuda.png"
-grep -E "^(==|OK|FAILED|targets|map / floor)" "$log"
+grep -E "^(==|OK|FAILED|targets|map / floor)|ERROR SUMMARY|\"(no_|ops_|unmap_|idle_|two_)" "$log"
 exit $status
