@@ -44,7 +44,7 @@ step "control_plane cuda" "$py" "$repo/benchmarks/control_plane.py" --device cud
 step "proof (churn 1e5 ops, unmap race, two processes, throughput, idle footprint)" \
   "$py" "$repo/benchmarks/gpu/proof.py" --out "$out/proof_cuda.json"
 if command -v compute-sanitizer > /dev/null; then
-  step "compute-sanitizer memcheck (short churn)" timeout 300 compute-sanitizer --tool memcheck \
+  step "compute-sanitizer memcheck (short churn)" timeout 150 compute-sanitizer --tool memcheck \
     "$py" "$repo/benchmarks/gpu/proof.py" --short
 fi
 step "example 00 on cuda" "$py" "$repo/examples/00_two_processes/run.py" --device cuda
