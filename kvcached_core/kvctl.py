@@ -3,7 +3,7 @@
     kvctl list [--json]              every live instance and pool
     kvctl limit NAME SIZE            cap an instance (512M, 2G, 1.5GiB, bytes, or "none")
     kvctl limit-percent NAME PCT     cap an instance at PCT percent of its device's memory
-    kvctl gc                         remove segments whose owner is gone
+    kvctl gc                         remove segments (and page tables) whose owner is gone
 
 Exit status: 0 done, 2 bad input (one line on stderr, nothing changed), 1 the instance is gone.
 A limit applies to each process of the instance (each holds memory on its own device); inside one process
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 
 from . import _native
 from .config import ConfigError, load_settings
-from .segment import Scan, Segment, collect, rows, scan, segment_dir
+from .segment import Scan, Segment, collect, collect_page_tables, rows, scan, segment_dir
 from .units import format_bytes, parse_size
 
 ACK_TIMEOUT_S = 1.0  # how long `limit` waits for every owner to acknowledge
@@ -212,9 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             pct = parse_percent(args.percent)
             return apply_limit(directory, args.name, lambda pools: int(pools[0].info["device_total_bytes"] * pct / 100))
         removed = collect(directory)
-        for path in removed:
+        tables = collect_page_tables(os.path.join(os.path.dirname(directory), "pagetables"))
+        for path in removed + tables:
             print(f"removed {path}")
-        print(f"{len(removed)} stale segment(s) removed")
+        print(f"{len(removed)} stale segment(s) and {len(tables)} stale page table(s) removed")
         return 0
     except UsageError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)

@@ -11,7 +11,6 @@ from typing import Any
 from . import _native, registry, segment
 from .backends import DeviceLike, get_backend, parse_device, planner_backend
 from .config import Settings, load_settings
-from .runtime_dir import ensure_runtime_dir
 from .tensors import KVTensorViews
 
 
@@ -124,26 +123,23 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         self.free = fast.free
         self.available_size = fast.available_size
         self._page_table = None
-        if mapped_by_workers:
-            self._page_table = self._open_page_table(s, backend)
-        if s.control:
-            try:
+        try:
+            if mapped_by_workers:
+                self._page_table = self._open_page_table(s, backend)
+            if s.control:
                 self._control = self._open_control_segment(s, backend.mem_info()[1], s.watch_interval_ms)
-            except BaseException:
-                super().close()
-                raise
+        except BaseException:
+            self.close()  # nothing half-built stays behind: memory, page table, segment
+            raise
         registry.register(self)
 
     def _open_page_table(self, settings: Settings, backend: _native.PlannerBackend) -> _native.PageTable:
-        directory = ensure_runtime_dir(os.path.join(ensure_runtime_dir(settings.resolved_runtime_dir()), "pagetables"))
-        path = os.path.join(directory, f"{os.getpid()}-{uuid.uuid4().hex[:12]}.pt")
-        try:
-            table = _native.PageTable.create(path, self, self.num_layers, self.num_kv_buffers)
-            _native._attach_page_table(self, table)
-            backend._follow(table)
-        except BaseException:
-            super().close()
-            raise
+        directory = segment.page_table_dir(settings)
+        path = os.path.join(directory, f"{os.getpid()}-{uuid.uuid4().hex[:12]}{segment.PAGE_TABLE_SUFFIX}")
+        table = _native.PageTable.create(path, self, self.num_layers, self.num_kv_buffers)
+        self._page_table = table  # from here on, close() removes it
+        _native._attach_page_table(self, table)
+        backend._follow(table)
         return table
 
     @property

@@ -18,12 +18,42 @@ from .runtime_dir import ensure_runtime_dir
 
 SUFFIX = ".seg"
 TMP_SUFFIX = ".seg.tmp"
+PAGE_TABLE_SUFFIX = ".pt"
 
 
 def segment_dir(settings: Settings) -> str:
     """The per-user segment directory (0700), created on first use."""
     runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
     return ensure_runtime_dir(os.path.join(runtime, "segments"))
+
+
+def page_table_dir(settings: Settings) -> str:
+    """The per-user directory (0700) of planners' page tables (see kvcached_core.mirror)."""
+    runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
+    return ensure_runtime_dir(os.path.join(runtime, "pagetables"))
+
+
+def collect_page_tables(directory: str) -> list[str]:
+    """Removes page tables (and their temporary files) whose planner process is gone.
+
+    A page table's name starts with its planner's pid; the planner removes it on close, so one whose pid no
+    longer runs was left by a crash.
+    """
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        pid = entry.name.split("-", 1)[0]
+        if not pid.isdigit() or PAGE_TABLE_SUFFIX not in entry.name or _native.process_alive(int(pid), 0):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(entry.path)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def new_segment_path(directory: str) -> str:

@@ -150,7 +150,7 @@ def test_sigkilled_owner_is_never_listed_live_and_gc_removes_it(runtime, capsys)
     code, out, _ = run_cli(kvctl.main, ["--runtime-dir", runtime, "limit", "doomed", "1G"], capsys)
     assert code == 1
     code, out, _ = run_cli(kvctl.main, ["--runtime-dir", runtime, "gc"], capsys)
-    assert code == 0 and "1 stale segment(s) removed" in out
+    assert code == 0 and "1 stale segment(s) and 0 stale page table(s) removed" in out
     assert os.listdir(directory) == []
 
 

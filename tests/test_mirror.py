@@ -185,6 +185,28 @@ def test_planner_plans_no_more_than_workers_can_hold(planner):
         w.stop()
 
 
+def test_page_table_of_a_killed_planner_is_collected(tmp_path, capsys):
+    runtime = str(tmp_path / "rt")
+    script = (
+        "import sys, kvcached_core as kc; "
+        "m = kc.KVCacheManager(64, 65536, 1, 2, mapped_by_workers=True, "
+        "settings=kc.load_settings({}, runtime_dir=sys.argv[1])); "
+        "print(m.page_table_path, flush=True); sys.stdin.readline()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, runtime], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    path = proc.stdout.readline().strip()
+    assert os.path.exists(path)
+    proc.kill()
+    proc.wait()
+    from kvcached_core import kvctl
+
+    assert kvctl.main(["--runtime-dir", runtime, "gc"]) == 0
+    assert "1 stale segment(s) and 1 stale page table(s) removed" in capsys.readouterr().out
+    assert not os.path.exists(path)
+
+
 def test_foreign_or_bad_page_table_is_refused(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"\0" * 4096)
