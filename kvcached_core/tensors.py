@@ -10,7 +10,7 @@ import math
 
 class KVTensorViews:
     """Mixin: needs ``num_blocks``, ``block_bytes``, ``num_layers``, ``num_kv_buffers`` and the native
-    ``_export_bytes(buffer, offset, nbytes)``, which returns a DLPack capsule."""
+    ``_export_bytes(buffer, offset, nbytes)`` and ``_export_all()``, which return DLPack capsules."""
 
     num_blocks: int
     block_bytes: int
@@ -36,6 +36,17 @@ class KVTensorViews:
 
         capsule = self._export_bytes(self.buffer_index(layer, kv), 0, self.num_blocks * self.block_bytes)
         return torch.from_dlpack(capsule)
+
+    def flat_buffer(self):
+        """Every buffer as one flat ``torch.uint8`` tensor: buffer ``i`` starts at ``i * buffer_stride``.
+
+        For engines that stride all layers over one backing buffer: when ``num_blocks * block_bytes`` is a
+        multiple of the page size, ``buffer_stride`` equals it and layer ``l``'s block ``b`` is at
+        ``l * num_blocks * block_bytes + b * block_bytes``.
+        """
+        import torch
+
+        return torch.from_dlpack(self._export_all())
 
     def kv_tensors(self, block_shape: tuple[int, ...], dtype) -> list[list]:
         """Per-layer views: ``result[layer][kv]`` has shape ``(num_blocks, *block_shape)`` and ``dtype``.

@@ -61,6 +61,19 @@ def test_data_survives_alloc_free_map_unmap_churn(make_manager):
     assert mgr.snapshot()["allocated_blocks"] == len(held)
 
 
+def test_flat_buffer_strides_all_layers_like_one_backing_buffer(make_manager):
+    mgr = make_manager(num_blocks=256, block_bytes=16 * 1024, num_layers=3, num_kv_buffers=1)
+    assert mgr.buffer_stride == 256 * 16 * 1024  # a whole number of pages: no padding between layers
+    flat = mgr.flat_buffer()
+    assert flat.numel() == 3 * mgr.buffer_stride
+    ids = mgr.alloc(40)
+    for layer in range(3):
+        mgr.buffer(layer, 0)[ids[7] * 16 * 1024 : (ids[7] + 1) * 16 * 1024].fill_(layer + 1)
+    for layer in range(3):
+        start = layer * mgr.buffer_stride + ids[7] * 16 * 1024
+        assert torch.all(flat[start : start + 16 * 1024] == layer + 1)
+
+
 def test_kv_tensors_reject_shapes_that_do_not_match_the_block(make_manager):
     mgr = make_manager()
     with pytest.raises(ValueError, match="bytes"):

@@ -83,6 +83,22 @@ py::object export_bytes(const BlockAllocator& a, std::int64_t buffer, std::int64
   return export_view(a.reservation(), a.buffer_address(buffer), a.buffer_stride(), offset, nbytes);
 }
 
+// Every buffer at once: [base, base + num_buffers * buffer_stride), the form of an engine that strides all
+// layers over one backing buffer.
+py::object export_all(const BlockAllocator& a) {
+  if (a.closed()) throw ClosedError("this KV cache manager is closed: its memory cannot be viewed");
+  if (a.backend().name() == "planner")
+    throw InvalidArgument("this manager only plans: its memory lives in the workers (use PageMirror there)");
+  const std::size_t total = a.buffer_stride() * static_cast<std::size_t>(a.config().num_buffers);
+  return export_view(a.reservation(), a.buffer_address(0), total, 0, static_cast<std::int64_t>(total));
+}
+
+py::object export_mirror_all(const PageMirror& m) {
+  if (m.closed()) throw ClosedError("this page mirror is closed: its memory cannot be viewed");
+  const std::size_t total = m.buffer_stride() * static_cast<std::size_t>(m.num_buffers());
+  return export_view(m.reservation(), m.buffer_address(0), total, 0, static_cast<std::int64_t>(total));
+}
+
 py::object export_mirror_bytes(const PageMirror& m, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
   if (m.closed()) throw ClosedError("this page mirror is closed: its memory cannot be viewed");
   return export_view(m.reservation(), m.buffer_address(buffer), m.buffer_stride(), offset, nbytes);
@@ -311,6 +327,7 @@ PYBIND11_MODULE(_native, m) {
       .def("operation_snapshot", &operation_snapshot,
            "Cumulative operation counters and the last error, copied without taking the allocator lock.")
       .def("_export_bytes", &export_bytes, py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
+      .def("_export_all", &export_all)
       .def_property_readonly("page_bytes", &BlockAllocator::page_bytes)
       .def_property_readonly("buffer_stride", &BlockAllocator::buffer_stride)
       .def_property_readonly("_backend_name", [](const BlockAllocator& a) { return a.backend().name(); })
@@ -402,5 +419,6 @@ PYBIND11_MODULE(_native, m) {
                  .set("num_pages", g.num_pages)
                  .done();
            })
-      .def("_export_bytes", &export_mirror_bytes, py::arg("buffer"), py::arg("offset"), py::arg("nbytes"));
+      .def("_export_bytes", &export_mirror_bytes, py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
+      .def("_export_all", &export_mirror_all);
 }
