@@ -40,6 +40,9 @@ def test_map_write_read_unmap(cuda_manager):
     flat = mgr.buffer(1, 1)
     b = ids[7]
     assert torch.all(flat[b * 64 * 1024 : (b + 1) * 64 * 1024].view(torch.float32) == b * 10 + 3)
+    everything = mgr.flat_buffer()  # buffer 3 (layer 1, V) of one flat view
+    start = 3 * mgr.buffer_stride + b * 64 * 1024
+    assert everything.is_cuda and torch.all(everything[start : start + 64 * 1024].view(torch.float32) == b * 10 + 3)
     mapped = mgr.snapshot()["mapped_bytes"]
     assert mapped > 0
     mgr.free(ids)
