@@ -93,7 +93,7 @@ SETTINGS: dict[str, Setting] = {
     "pool_target": Setting(
         "KVCACHED_POOL_TARGET",
         _non_negative_int,
-        "physical handles kept ready by the pool thread (0 = no thread)",
+        "physical handles kept ready by the pool thread (0 = none created ahead)",
     ),
     "pool_max": Setting("KVCACHED_POOL_MAX", _non_negative_int, "bound on pooled physical handles"),
     "zero_on_map": Setting("KVCACHED_ZERO_ON_MAP", _bool, "zero pages when they are mapped"),

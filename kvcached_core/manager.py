@@ -98,9 +98,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
 
         backend = planner_backend(self.device, s) if mapped_by_workers else get_backend(self.device, s)
         if mapped_by_workers:
-            # A planner's handles are free tokens; one keeps the pool thread, which refreshes what the
-            # workers report they can hold, running.
-            pool_target, pool_max = 1, 1
+            pool_target, pool_max = 0, 0  # a planner's handles are free tokens: nothing to create ahead
         super().__init__(
             backend,
             num_blocks=self.num_blocks,

@@ -177,3 +177,23 @@ def test_pool_thread_keeps_handles_ready(make_manager):
     idle = make_manager(pool_target=0)
     assert idle.snapshot()["pool_ready_handles"] == 0
     assert idle.alloc(1) is not None  # without a pool the page is created on the path
+
+
+def test_available_size_recovers_after_a_miss_without_a_pool(tmp_path):
+    """With nothing created ahead, the free-memory figure still follows the device: a miss (another pool
+    held the budget) must not hide new pages once the memory is back."""
+    s = kc.load_settings({}, runtime_dir=str(tmp_path / "rt"), host_device_bytes=64 * MiB, reclaim_delay_ms=0)
+    kw = dict(device="cpu", settings=s, reserved_pages=0, pool_target=0)
+    a = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="a", **kw)
+    b = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="b", **kw)
+    try:
+        held = a.alloc(32 * 8)  # the whole 64 MiB budget
+        assert held is not None
+        assert b.alloc(1) is None and b.available_size() == 0
+        a.free(held)
+        a.trim()
+        assert wait_for(lambda: b.available_size() >= 32 * 8, timeout=2)
+        assert b.alloc(32 * 8) is not None
+    finally:
+        a.close()
+        b.close()

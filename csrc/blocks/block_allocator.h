@@ -39,7 +39,7 @@ struct AllocatorConfig {
   bool reserve_null_block = false;    // block 0 is never handed out; its page stays mapped
   std::int64_t reserved_pages = 2;    // mapped empty pages kept for reuse
   std::int64_t reclaim_delay_ms = 50; // how long an excess empty page waits before it is unmapped
-  std::int64_t pool_target = 4;       // physical handles the pool thread keeps ready (0 = no thread)
+  std::int64_t pool_target = 4;       // physical handles the pool thread keeps ready (0 = none)
   std::int64_t pool_max = 16;         // bound on pooled handles
   bool zero_on_map = false;           // zero pages when they are mapped
 };

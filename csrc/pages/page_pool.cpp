@@ -17,7 +17,9 @@ PagePool::PagePool(std::shared_ptr<MemoryBackend> backend, const PagePoolConfig&
   if (config_.max_pooled < config_.target) config_.max_pooled = config_.target;
   if (config_.target == 0) config_.max_pooled = 0;  // no pool at all: handles are released on give-back
   refresh_free_bytes();
-  if (config_.target > 0) thread_ = std::thread([this] { run(); });
+  // Runs even with target 0: the free-memory figure that available_size() reads must keep following the
+  // device (other engines take and give back memory), or one miss would hide new pages for good.
+  thread_ = std::thread([this] { run(); });
 }
 
 PagePool::~PagePool() { shutdown(); }

@@ -1,6 +1,7 @@
 // PagePool: physical handles created ahead of need, so making a page usable costs map + access only.
 //
-// A background thread keeps `target` handles ready (0 disables the thread: every take() then creates).
+// A background thread keeps `target` handles ready (0: nothing is created ahead and every take() creates;
+// the thread then only keeps the cached free-memory figure current).
 // It refills only once no handle has been taken for `refill_idle_us`: the driver serializes VMM calls, so
 // a cuMemCreate running beside a burst of mappings would slow each of them by its own cost.
 // Handles given back beyond `max_pooled` are released to the device, and once no handle has been taken for
@@ -23,7 +24,7 @@ namespace kvcached {
 
 struct PagePoolConfig {
   std::size_t handle_bytes = 0;   // size of every handle (the allocator's physical page size)
-  std::size_t target = 0;         // ready handles the thread keeps; 0 = no thread
+  std::size_t target = 0;         // ready handles the thread keeps; 0 = none created ahead
   std::size_t max_pooled = 0;     // bound on handles kept; extras are released
   int refresh_ms = 20;            // how often the cached free-memory figure is refreshed
   int refill_idle_us = 1000;      // quiet time after the last take() before the thread creates handles
