@@ -475,15 +475,21 @@ def positive_int(text: str) -> int:
     return value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line; bad arguments exit with status 2 (argparse)."""
-    parser = argparse.ArgumentParser(
-        description="Benchmark kvcached-core: alloc/free pairs, available_size(), page map and unmap, "
-        "memory footprint, and (on CUDA) the driver floor.",
-    )
+def benchmark_parser(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark here shares: --device, --json, --out."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; bad arguments exit with status 2 (argparse)."""
+    parser = benchmark_parser(
+        "Benchmark kvcached-core: alloc/free pairs, available_size(), page map and unmap, "
+        "memory footprint, and (on CUDA) the driver floor."
+    )
     parser.add_argument(
         "--repeats",
         type=positive_int,

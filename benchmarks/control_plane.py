@@ -84,7 +84,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 # The sibling benchmark script (this script's directory is sys.path[0]): shared statistics and timing.
-from alloc_free import device_arg, machine_info, positive_int, summarize, time_pair_batches
+from alloc_free import benchmark_parser, machine_info, positive_int, summarize, time_pair_batches
 
 import kvcached_core
 from kvcached_core import KVCacheManager, _native, kvctl
@@ -764,13 +764,10 @@ def format_table(report: dict[str, Any]) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; bad arguments exit with status 2 (argparse)."""
-    parser = argparse.ArgumentParser(
-        description="Benchmark the kvcached control plane: kvctl limit to enforcement, kvctl/kvtop startup, "
-        "and the cost of the limit check on alloc.",
+    parser = benchmark_parser(
+        "Benchmark the kvcached control plane: kvctl limit to enforcement, kvctl/kvtop startup, "
+        "and the cost of the limit check on alloc."
     )
-    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    parser.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE")
     parser.add_argument(
         "--rounds", type=positive_int, default=200, metavar="N", help="in-process limit rounds (default: 200)"
     )
