@@ -191,3 +191,25 @@ def test_close_is_idempotent_and_releases_everything(make_manager):
         mgr.free([1])
     with mgr:  # usable as a context manager; closing again is harmless
         pass
+
+
+def test_short_last_page_does_not_shrink_reported_availability(make_manager):
+    """The pool ends inside its last page (1 block there, 32 on the others): availability stays exact.
+
+    The short page is mapped last, so fresh pages count with the full per-page capacity until it is the
+    only one left.
+    """
+    mgr = make_manager(num_blocks=32 * 4 + 1, block_bytes=64 * 1024, num_layers=1, num_kv_buffers=1, reserved_pages=0)
+    assert mgr.available_size() == 129
+    mgr.set_memory_limit(2 * mgr.page_bytes)
+    assert mgr.available_size() == 64
+    ids = mgr.alloc(64)
+    assert ids is not None and mgr.alloc(1) is None
+    mgr.set_memory_limit(None)
+    assert mgr.available_size() == 65
+    rest = mgr.alloc(65)
+    assert rest is not None and max(rest) == 128  # the tail block, last
+    mgr.free(ids)
+    mgr.free(rest)
+    mgr.trim()
+    assert mgr.available_size() == 129

@@ -67,8 +67,14 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
       block_page_[static_cast<std::size_t>(page.first_block + i)] = static_cast<std::int32_t>(p);
     }
     total_blocks_ += page.capacity;
-    if (page.capacity > 0) min_capacity_ = std::min(min_capacity_, page.capacity);
+    if (page.capacity > 0) {
+      if (tail_page_ >= 0) min_capacity_ = std::min(min_capacity_, tail_capacity_);
+      tail_page_ = static_cast<std::int32_t>(p);
+      tail_capacity_ = page.capacity;
+    }
   }
+  if (min_capacity_ == std::numeric_limits<std::int32_t>::max()) min_capacity_ = tail_capacity_;  // one page
+  tail_unmapped_.store(tail_page_ >= 0);
   for (std::size_t p = num_pages; p-- > 0;) {
     if (pages_[p].capacity > 0) unmapped_.push_back(static_cast<std::int32_t>(p));
   }
@@ -247,6 +253,7 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
     }
   }
   unmapped_.pop_back();
+  if (page_id == tail_page_) tail_unmapped_.store(false, std::memory_order_relaxed);
   if (page_table_) page_table_->set_page(page_id, true);  // before any block of it is handed out
   count(counters_.manager_page_allocations_total);
   Page& page = pages_[static_cast<std::size_t>(page_id)];
@@ -354,6 +361,12 @@ void BlockAllocator::free(const std::int64_t* ids, std::size_t count) {
   if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
 }
 
+std::int64_t BlockAllocator::capacity_of_pages(std::int64_t pages, bool may_include_tail) const noexcept {
+  if (pages <= 0) return 0;
+  if (!may_include_tail) return pages * min_capacity_;
+  return (pages - 1) * min_capacity_ + std::min(tail_capacity_, min_capacity_);
+}
+
 std::int64_t BlockAllocator::available_size() const noexcept {
   if (closed()) return 0;
   const std::int64_t allowed = allowed_pages();
@@ -366,15 +379,16 @@ std::int64_t BlockAllocator::available_size() const noexcept {
     avail += empty_free_.load(std::memory_order_relaxed);
     headroom -= empty;
   } else {
-    return avail + headroom * min_capacity_;
+    return avail + capacity_of_pages(headroom, !tail_unmapped_.load(std::memory_order_relaxed));
   }
   // New pages: bounded by unmapped pages, the limit, and physical memory (pool + cached device free).
   const std::int64_t by_limit = allowed - mapped_pages_.load(std::memory_order_relaxed);
   const auto handles = static_cast<std::int64_t>(pool_->ready() + pool_->cached_free_bytes() / page_bytes_);
   const std::int64_t by_memory = handles / config_.num_buffers;
-  const std::int64_t fresh =
-      std::max<std::int64_t>(0, std::min({headroom, by_limit, by_memory, unmapped_pages_.load(std::memory_order_relaxed)}));
-  return avail + fresh * min_capacity_;
+  const std::int64_t unmapped = unmapped_pages_.load(std::memory_order_relaxed);
+  const std::int64_t fresh = std::max<std::int64_t>(0, std::min({headroom, by_limit, by_memory, unmapped}));
+  // The tail sits at the bottom of the unmapped stack: it is among the fresh pages only when all are.
+  return avail + capacity_of_pages(fresh, fresh == unmapped && tail_unmapped_.load(std::memory_order_relaxed));
 }
 
 // ---- limit ------------------------------------------------------------------------------------------
@@ -437,7 +451,12 @@ void BlockAllocator::unmap_pages(const std::vector<std::int32_t>& victims) {
     pages_[p].state = outcome;
     bump(mapped_pages_, std::int64_t{-1});
     if (outcome == PageState::kUnmapped) {
-      unmapped_.push_back(page_id);
+      if (page_id == tail_page_) {
+        unmapped_.insert(unmapped_.begin(), page_id);
+        tail_unmapped_.store(true, std::memory_order_relaxed);
+      } else {
+        unmapped_.push_back(page_id);
+      }
       bump(unmapped_pages_, std::int64_t{1});
     }
   }

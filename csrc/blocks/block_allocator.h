@@ -134,6 +134,7 @@ class BlockAllocator {
   std::size_t logical_page_bytes() const { return page_bytes_ * static_cast<std::size_t>(config_.num_buffers); }
   std::int64_t allowed_pages() const noexcept;
   std::int64_t target_empty_pages() const noexcept;
+  std::int64_t capacity_of_pages(std::int64_t pages, bool may_include_tail) const noexcept;  // lower bound
 
   void take_from_page(std::int32_t page, std::int64_t want, std::vector<std::int32_t>& out);
   void return_block(std::int32_t block);
@@ -160,8 +161,13 @@ class BlockAllocator {
   std::vector<std::uint8_t> allocated_;       // per block
   std::vector<PhysHandle> handles_;           // [page * num_buffers + buffer]
   PageList partial_, empty_;
-  std::vector<std::int32_t> unmapped_;        // stack of unmapped pages with capacity; lowest on top
-  std::int32_t min_capacity_ = 0;
+  std::vector<std::int32_t> unmapped_;        // stack of unmapped pages with capacity; lowest on top, tail at the bottom
+  // The last page with capacity may hold few blocks (the pool ends inside it). It is kept at the bottom of
+  // unmapped_, so it is mapped last, and min_capacity_ is taken over the other pages: availability then stays
+  // a tight lower bound instead of counting every fresh page as the short one.
+  std::int32_t tail_page_ = -1;
+  std::int32_t tail_capacity_ = 0;
+  std::int32_t min_capacity_ = 0;             // over pages with capacity other than the tail
   std::int64_t total_blocks_ = 0;
 
   // Written under mu_, read lock-free by available_size() and snapshot().
@@ -171,6 +177,7 @@ class BlockAllocator {
   std::atomic<std::int64_t> used_pages_{0};
   std::atomic<std::int64_t> mapped_pages_{0};
   std::atomic<std::int64_t> unmapped_pages_{0};
+  std::atomic<bool> tail_unmapped_{false};
   std::atomic<std::int64_t> allocated_blocks_{0};
   std::atomic<std::uint64_t> limit_bytes_{kNoLimit};
   std::atomic<std::uint64_t> limit_revision_{0};

@@ -25,11 +25,26 @@ PagePool::PagePool(std::shared_ptr<MemoryBackend> backend, const PagePoolConfig&
 PagePool::~PagePool() { shutdown(); }
 
 void PagePool::refresh_free_bytes() {
+  std::size_t bytes = 0;
+  const std::uint64_t seen = created_.load(std::memory_order_acquire);
   try {
-    free_bytes_.store(backend_->allocatable_bytes(), std::memory_order_relaxed);
+    bytes = backend_->allocatable_bytes();
   } catch (...) {
-    // A failed query leaves the previous estimate; the next create reports any real failure.
+    return;  // a failed query leaves the previous estimate; the next create reports any real failure
   }
+  // A handle created while the device was queried may or may not be in the figure: keep the figure that
+  // note_created() already lowered rather than risk counting that handle twice (ready and free).
+  std::lock_guard<std::mutex> lock(free_mu_);
+  if (created_.load(std::memory_order_relaxed) == seen) free_bytes_.store(bytes, std::memory_order_relaxed);
+}
+
+void PagePool::note_created() noexcept {
+  // A new handle moves its bytes from "free on the device" to "ours": take them off the cached figure at once,
+  // or ready() + cached_free_bytes() would count them twice until the next refresh.
+  std::lock_guard<std::mutex> lock(free_mu_);
+  const std::size_t free = free_bytes_.load(std::memory_order_relaxed);
+  free_bytes_.store(free > config_.handle_bytes ? free - config_.handle_bytes : 0, std::memory_order_relaxed);
+  created_.fetch_add(1, std::memory_order_release);
 }
 
 std::optional<PhysHandle> PagePool::take() {
@@ -45,8 +60,24 @@ std::optional<PhysHandle> PagePool::take() {
     }
   }
   auto h = backend_->create(config_.handle_bytes);
-  if (!h) free_bytes_.store(0, std::memory_order_relaxed);
-  return h;
+  if (h) {
+    note_created();
+    return h;
+  }
+  {
+    // The device is full, but the refill thread may hold the last memory in a handle it is creating: wait
+    // for it, so a refill never turns into a failed allocation.
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return !creating_ || stop_; });
+    if (!handles_.empty()) {
+      PhysHandle pooled = handles_.back();
+      handles_.pop_back();
+      ready_count_.store(handles_.size(), std::memory_order_relaxed);
+      return pooled;
+    }
+  }
+  free_bytes_.store(0, std::memory_order_relaxed);
+  return std::nullopt;
 }
 
 void PagePool::give_back(PhysHandle handle) {
@@ -69,6 +100,7 @@ void PagePool::run() {
     const std::int64_t quiet_ns = now_ns() - last_take_ns_.load(std::memory_order_relaxed);
     const bool short_of_target = handles_.size() < config_.target;
     if (short_of_target && quiet_ns >= idle_ns) {
+      creating_ = true;
       lock.unlock();
       std::optional<PhysHandle> h;
       try {
@@ -76,8 +108,14 @@ void PagePool::run() {
       } catch (...) {
         h.reset();  // a driver error here is reported by the allocation that needs the page
       }
-      if (!h) refresh_free_bytes();
+      if (h) {
+        note_created();
+      } else {
+        refresh_free_bytes();
+      }
       lock.lock();
+      creating_ = false;
+      cv_.notify_all();  // a take() that found the device full waits for this handle
       if (h) {
         if (stop_) {
           lock.unlock();

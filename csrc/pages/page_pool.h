@@ -50,6 +50,7 @@ class PagePool {
   std::size_t cached_free_bytes() const noexcept { return free_bytes_.load(std::memory_order_relaxed); }
   // Re-reads free memory now (driver call). For callers off the hot path.
   void refresh_free_bytes();
+  void note_created() noexcept;
 
   // Stops the thread and releases every pooled handle. Idempotent.
   void shutdown();
@@ -66,8 +67,11 @@ class PagePool {
   std::vector<PhysHandle> handles_;
   std::atomic<std::size_t> ready_count_{0};
   std::atomic<std::size_t> free_bytes_{0};
+  std::mutex free_mu_;                      // orders refresh_free_bytes() against note_created()
+  std::atomic<std::uint64_t> created_{0};   // handles created so far
   std::atomic<std::int64_t> last_take_ns_{0};
   bool stop_ = false;
+  bool creating_ = false;  // the refill thread is creating a handle outside mu_ (guarded by mu_)
   std::thread thread_;
 };
 
