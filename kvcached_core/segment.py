@@ -147,3 +147,17 @@ def rows(segments: Sequence[Segment]) -> list[dict]:
             }
         )
     return out
+
+
+def mapped_by_other_processes(settings: Settings, device: str) -> int:
+    """Bytes that live kvcached pools of other processes have mapped on ``device`` ("cpu", "cuda:N").
+
+    Engine plugins add this to the free memory their engine measures at start-up, so the KV capacity an
+    engine plans for does not shrink because another elastic engine holds memory right now: that memory
+    comes back when it goes idle. (Device labels are per process: under different CUDA_VISIBLE_DEVICES two
+    labels can name different GPUs; the capacity this sizes is virtual, so an overestimate costs only
+    address space.)
+    """
+    me = os.getpid()
+    found = scan(segment_dir(settings))
+    return sum(s.info["mapped_bytes"] for s in found.live if s.info["owner_pid"] != me and s.info["device"] == device)

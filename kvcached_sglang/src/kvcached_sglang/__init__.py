@@ -1,0 +1,50 @@
+"""kvcached-sglang: elastic KV cache pools for SGLang, loaded through SGLang's ``sglang.srt.plugins`` entry point.
+
+``register()`` runs in every SGLang process that calls ``load_plugins()``. It checks the SGLang version and
+every symbol it patches, then hands its patches to SGLang's ``HookRegistry``, which applies them. When
+anything is wrong it logs one error line and registers nothing, so SGLang runs exactly as without kvcached.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvcached_core import ConfigError, load_settings
+from kvcached_core.patches import EngineSupport, PluginLoadError, verify
+
+__version__ = "0.1.0"
+SUPPORT = EngineSupport(engine="SGLang", distributions=("sglang",), supported=("0.5.23",))
+
+logger = logging.getLogger(__name__)
+_state = {"registered": False, "active": False}
+
+
+def register() -> None:
+    """SGLang plugin entry point: register kvcached's patches with SGLang's HookRegistry (once per process)."""
+    if _state["registered"]:
+        return
+    _state["registered"] = True
+    try:
+        if not load_settings().enable:
+            logger.info("kvcached: disabled by KVCACHED_ENABLE=0; SGLang runs with its own KV cache")
+            return
+        version = SUPPORT.check()
+        try:
+            from .patches import PATCHES, USED_SYMBOLS
+        except (ImportError, AttributeError) as exc:  # a module, class or function we build on is missing
+            raise PluginLoadError(f"cannot import what kvcached patches from SGLang {version}: {exc}") from None
+        verify(PATCHES, "SGLang", version, USED_SYMBOLS)
+    except (PluginLoadError, ConfigError) as exc:
+        logger.error("kvcached: %s; SGLang runs with its own KV cache", exc)
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for patch in PATCHES:
+        HookRegistry.register(patch.target, patch.hook, HookType[patch.kind.upper()])
+    _state["active"] = True
+    logger.info("kvcached: %d patches registered for SGLang %s", len(PATCHES), version)
+
+
+def active() -> bool:
+    """Whether this process registered kvcached's patches."""
+    return _state["active"]

@@ -1,0 +1,204 @@
+"""Elastic SGLang token allocators: kvcached decides which pages are handed out and whether they are mapped.
+
+SGLang's allocators keep a tensor of free page ids. Over an elastic pool, that list is replaced by the pool's
+kvcached manager (one block per SGLang page): ``alloc`` takes page ids from it (preferring pages already
+mapped), frees go back to it (whole pages are unmapped after its delayed, fenced reclaim), and
+``available_size()`` says what can really be mapped now (physical memory and ``kvctl limit``). SGLang's own
+index arithmetic (``alloc_extend``/``alloc_decode`` kernels) still runs, over exactly the pages taken.
+
+A shortage is SGLang's normal ``None``; SGLang decides admission and retraction from ``available_size()``
+beforehand, so a request that fits what was reported is served. Over a pool that is not elastic (a layout
+kvcached does not cover) every method is SGLang's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.utils import get_num_new_pages
+
+from kvcached_core import KVCacheManager
+
+
+class ElasticAllocatorMixin:
+    """The kvcached side shared by both allocators: take and give page ids, report capacity."""
+
+    page_size: int
+    device: str
+    size: int
+    _manager: KVCacheManager | None
+
+    def _bind_manager(self, init: Callable[..., None], args: tuple, kwargs: dict[str, Any]) -> None:
+        # Read the pool through SGLang's own signature (``init`` is the bound base __init__), so a moved
+        # argument cannot be mistaken for it.
+        bound = inspect.signature(init).bind(*args, **kwargs)
+        self._manager = getattr(bound.arguments["kvcache"], "kvcached_manager", None)
+        self._empty = None
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this allocator's pages come from kvcached (False: the pool kept SGLang's buffers)."""
+        return self._manager is not None
+
+    def _no_pages(self) -> torch.Tensor:
+        if self._empty is None:
+            self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        return self._empty
+
+    def _take(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` page ids as a tensor on the pool's device, or None when they cannot be mapped now."""
+        if num_pages <= 0:
+            return self._no_pages()
+        ids = self._manager.alloc(num_pages)
+        if ids is None:
+            return None
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _give(self, page_ids: torch.Tensor) -> None:
+        if page_ids.numel():
+            self._manager.free(page_ids.tolist())
+
+    def _elastic_available(self) -> int:
+        return self._manager.available_size() * self.page_size
+
+    def logical_available_size(self) -> int:
+        """Tokens not held by any request or cache entry, whether or not memory is mapped for them.
+
+        SGLang's idle leak check compares this figure (not the physical ``available_size()``) with its pool
+        size: another engine holding memory is not a leak.
+        """
+        return self.size - self._manager.snapshot()["allocated_blocks"] * self.page_size  # null block not counted
+
+    def _clear_elastic(self) -> None:
+        self._manager.clear()
+        self.free_pages = self._no_pages()
+        self.free_group = None
+
+
+class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocator):
+    """``TokenToKVPoolAllocator`` (page_size 1) over an elastic pool: one kvcached block per token slot.
+
+    Replaces ``sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator`` (SGLang 0.5.23).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._bind_manager(super().__init__, args, kwargs)
+        super().__init__(*args, **kwargs)
+
+    def clear(self) -> None:
+        if not self.elastic:
+            return super().clear()
+        self._clear_elastic()
+        self.release_pages = self._no_pages()
+
+    def available_size(self) -> int:
+        return self._elastic_available() if self.elastic else super().available_size()
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self._take(need_size) if self.elastic else super().alloc(need_size)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if not self.elastic:
+            return super().free(free_index)
+        if free_index.numel() == 0:
+            return
+        if self.free_group is None:
+            self._give(free_index)
+        else:
+            self.free_group.append(self._copy_for_free_group(free_index))
+
+    def merge_and_sort_free(self) -> None:
+        if not self.elastic:
+            super().merge_and_sort_free()
+
+
+class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
+    """``PagedTokenToKVPoolAllocator`` over an elastic pool: one kvcached block per SGLang page.
+
+    Replaces ``sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator`` (SGLang 0.5.23). The exact
+    number of new pages is computed first (from the CPU lengths SGLang passes), exactly that many are taken,
+    and SGLang's own ``alloc``/``alloc_extend``/``alloc_decode`` lay the token indices out over them.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._bind_manager(super().__init__, args, kwargs)
+        super().__init__(*args, **kwargs)
+
+    def clear(self) -> None:
+        super().clear()  # SGLang's group and staging state
+        if self.elastic:
+            self._clear_elastic()
+
+    def available_size(self) -> int:
+        return self._elastic_available() if self.elastic else super().available_size()
+
+    def _over_pages(self, num_pages: int, run: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """Run SGLang's own allocation over exactly ``num_pages`` pages taken from kvcached."""
+        pages = self._take(num_pages)
+        if pages is None:
+            return None
+        self.free_pages = pages
+        try:
+            out = run()
+        except BaseException:
+            self.free_pages = self._no_pages()
+            self._give(pages)
+            raise
+        unused, self.free_pages = self.free_pages, self._no_pages()
+        # SGLang consumes exactly the pages it counted; anything else goes back.
+        self._give(pages if out is None else unused)
+        return out
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        if not self.elastic:
+            return super().alloc(need_size)
+        parent = super()
+        return self._over_pages(need_size // self.page_size, lambda: parent.alloc(need_size))
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | None:
+        args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
+        if not self.elastic:
+            return super().alloc_extend(*args, num_new_pages=num_new_pages, **kwargs)
+        if num_new_pages is None:
+            num_new_pages = get_num_new_pages(
+                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+            )
+        parent = super()
+        return self._over_pages(
+            num_new_pages, lambda: parent.alloc_extend(*args, num_new_pages=num_new_pages, **kwargs)
+        )
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor | None:
+        if not self.elastic:
+            return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc, **kwargs)
+        num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+        parent = super()
+        return self._over_pages(num_new_pages, lambda: parent.alloc_decode(seq_lens, seq_lens_cpu, last_loc, **kwargs))
+
+    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+        # Every paged free ends here (free, free_segment, free_page_ids, free_group_end, the radix cache).
+        if not self.elastic:
+            return super()._release_page_ids(*page_ids)
+        for ids in page_ids:
+            self._give(ids)
+
+    def merge_and_sort_free(self) -> None:
+        if not self.elastic:
+            super().merge_and_sort_free()

@@ -1,0 +1,83 @@
+"""Every SGLang symbol the plugin touches, as named patch units (SGLang 0.5.23).
+
+Importing this module imports SGLang's pool and allocator modules (the classes below subclass them).
+"""
+
+from __future__ import annotations
+
+from kvcached_core.patches import Patch
+
+from .allocators import ElasticPagedTokenToKVPoolAllocator, ElasticTokenToKVPoolAllocator
+from .capacity import check_full_pool_logically, free_memory_with_elastic_peers, profile_virtual_capacity
+from .pools import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
+
+_POOLS = "sglang.srt.mem_cache.memory_pool"
+_ALLOC = "sglang.srt.mem_cache.allocator"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "mha-pool",
+        f"{_POOLS}.MHATokenToKVPool",
+        "replace",
+        ElasticMHATokenToKVPool,
+        "MHA K/V buffers in kvcached memory (pool_name mha)",
+    ),
+    Patch(
+        "mla-pool",
+        f"{_POOLS}.MLATokenToKVPool",
+        "replace",
+        ElasticMLATokenToKVPool,
+        "MLA latent buffers in kvcached memory (pool_name mla)",
+    ),
+    Patch(
+        "token-allocator",
+        f"{_ALLOC}.token.TokenToKVPoolAllocator",
+        "replace",
+        ElasticTokenToKVPoolAllocator,
+        "page_size 1: slots come from kvcached, availability is physical",
+    ),
+    Patch(
+        "paged-allocator",
+        f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator",
+        "replace",
+        ElasticPagedTokenToKVPoolAllocator,
+        "pages come from kvcached, availability is physical",
+    ),
+    Patch(
+        "virtual-capacity",
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
+        "around",
+        profile_virtual_capacity,
+        "marks SGLang's KV budget profiling",
+    ),
+    Patch(
+        "free-memory",
+        "sglang.srt.utils.common.get_available_gpu_memory",
+        "around",
+        free_memory_with_elastic_peers,
+        "while profiling: memory other kvcached engines hold counts as free",
+    ),
+    Patch(
+        "idle-check",
+        "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_full_pool",
+        "around",
+        check_full_pool_logically,
+        "idle leak check counts unmapped free pages as free",
+    ),
+)
+
+# Engine symbols the plugin relies on without patching them: checked at load like the targets.
+USED_SYMBOLS: tuple[str, ...] = (
+    "sglang.srt.plugins.hook_registry.HookRegistry.register",
+    f"{_POOLS}.MHATokenToKVPool._create_buffers_normal",
+    f"{_POOLS}.MHATokenToKVPool._kv_buffer_shapes",
+    f"{_POOLS}.MHATokenToKVPool._clear_buffers",
+    f"{_POOLS}.MLATokenToKVPool._create_buffers",
+    f"{_POOLS}.MLATokenToKVPool._clear_buffers",
+    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator._release_page_ids",
+    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator.alloc_extend",
+    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator.alloc_decode",
+    f"{_ALLOC}.base.BaseTokenToKVPoolAllocator._copy_for_free_group",
+    "sglang.srt.utils.get_num_new_pages",
+    "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats",
+)

@@ -1,0 +1,144 @@
+"""Elastic SGLang KV pools: SGLang's own pool classes whose buffers live in kvcached memory.
+
+One kvcached block is one SGLang page (``page_size`` token slots) of one layer's K, V or MLA buffer, so block
+ids are SGLang page ids. Block 0 is kvcached's reserved null block: SGLang writes padded and dummy tokens to
+page 0, which therefore stays mapped for the pool's life. Buffer addresses never change (SGLang caches every
+buffer's ``data_ptr()``), only which of their pages are backed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+from kvcached_core import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+def instance_name() -> str | None:
+    """The name kvctl/kvtop show for this engine: the served model name (plus the TP rank when TP > 1).
+
+    None outside a running SGLang server (the core then derives ``sglang-<pid>``).
+    """
+    try:
+        from sglang.srt.runtime_context import get_parallel, get_server_args
+
+        args = get_server_args()
+        name = getattr(args, "served_model_name", None) or getattr(args, "model_path", None)
+        if not name:
+            return None
+        name = str(name).rstrip("/").rsplit("/", 1)[-1]
+        parallel = get_parallel()
+        if getattr(parallel, "tp_size", 1) > 1:
+            name += f"-tp{parallel.tp_rank}"
+        return name
+    except Exception:  # no server context (a pool built outside a server): fall back to the default name
+        return None
+
+
+def _device(device: str) -> str:
+    if device == "cuda":
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def elastic_buffers(
+    pool: object, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, pool_name: str
+) -> tuple[KVCacheManager, list[list[torch.Tensor]]] | None:
+    """A manager for ``pool`` and views ``result[layer][i]`` of ``shapes[i]`` over its memory.
+
+    Each shape leads with token slots or pages, so page ``p`` of SGLang's pool is one contiguous run that
+    starts at ``p * block_bytes`` in every buffer. Returns None (the caller keeps SGLang's own buffers) when
+    the buffers cannot be cut into equal per-page blocks, e.g. K and V rows of different sizes.
+    """
+    page_size, rows = pool.page_size, pool.size + pool.page_size
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    if any(size * page_size % rows for size in sizes) or len({size * page_size // rows for size in sizes}) != 1:
+        logger.warning(
+            "kvcached: %s buffers %s do not split into equal per-page blocks; this pool keeps SGLang's static buffers",
+            type(pool).__name__,
+            list(shapes),
+        )
+        return None
+    manager = KVCacheManager(
+        num_blocks=-(-rows // page_size),
+        block_bytes=sizes[0] * page_size // rows,
+        num_layers=pool.layer_num,
+        num_kv_buffers=len(shapes),
+        device=_device(pool.device),
+        pool_name=pool_name,
+        name=instance_name(),
+        engine="sglang",
+        reserve_null_block=True,
+    )
+    views = [
+        [
+            manager.buffer(layer, i)[:size].view(dtype).view(shape)
+            for i, (shape, size) in enumerate(zip(shapes, sizes, strict=True))
+        ]
+        for layer in range(pool.layer_num)
+    ]
+    return manager, views
+
+
+class ElasticMHATokenToKVPool(MHATokenToKVPool):
+    """SGLang's MHA pool (pool_name ``mha``) with per-layer K and V buffers in kvcached memory.
+
+    Replaces ``sglang.srt.mem_cache.memory_pool.MHATokenToKVPool`` (SGLang 0.5.23). Only the unquantized
+    NHD/HND buffers become elastic; other layouts keep SGLang's buffers (and its allocator then behaves as
+    SGLang's own).
+    """
+
+    kvcached_manager: KVCacheManager | None = None
+
+    def _create_buffers_normal(self) -> None:
+        made = None
+        if getattr(self, "kv_cache_layout", None) != "vectorized_5d":
+            made = elastic_buffers(self, self._kv_buffer_shapes(), self.store_dtype, "mha")
+        if made is None:
+            super()._create_buffers_normal()
+            return
+        # K and V are separate buffers here, not SGLang's fused (2, rows, ...) allocation: kernels that want
+        # V at a block offset from K copy instead (SGLang logs that on the paths that care).
+        self.kvcached_manager, views = made
+        self.k_buffer = [layer[0] for layer in views]
+        self.v_buffer = [layer[1] for layer in views]
+
+    def _clear_buffers(self) -> None:
+        super()._clear_buffers()
+        close_manager(self)
+
+
+class ElasticMLATokenToKVPool(MLATokenToKVPool):
+    """SGLang's MLA pool (pool_name ``mla``) with its per-layer latent buffer in kvcached memory.
+
+    Replaces ``sglang.srt.mem_cache.memory_pool.MLATokenToKVPool`` (SGLang 0.5.23).
+    """
+
+    kvcached_manager: KVCacheManager | None = None
+
+    def _create_buffers(self) -> None:
+        shape = (self.size + self.page_size, 1, self.kv_cache_dim)
+        made = elastic_buffers(self, [shape], self.store_dtype, "mla")
+        if made is None:
+            super()._create_buffers()
+            return
+        self.kvcached_manager, views = made
+        self.kv_buffer = [layer[0] for layer in views]
+
+    def _clear_buffers(self) -> None:
+        super()._clear_buffers()
+        close_manager(self)
+
+
+def close_manager(pool: object) -> None:
+    """Unmap and release a pool's kvcached memory (after SGLang dropped its views of it)."""
+    manager = getattr(pool, "kvcached_manager", None)
+    if manager is not None:
+        pool.kvcached_manager = None
+        manager.close()
