@@ -99,6 +99,7 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 300)
         [sys.executable, "-c", code],
         cwd=tempfile.gettempdir(),
         env=full_env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages
@@ -202,3 +203,63 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
     def merge_and_sort_free(self) -> None:
         if not self.elastic:
             super().merge_and_sort_free()
+
+
+class ElasticMambaSlotAllocator(MambaSlotAllocator):
+    """SGLang's Mamba slot allocator over an elastic Mamba pool: slots come from the pool's kvcached manager.
+
+    Installed in place of ``HybridReqToTokenPool.mamba_allocator`` right after SGLang builds it (SGLang 0.5.23
+    constructs it without the pool). Slots are per request and few, so the held set is kept here too: it
+    gives SGLang's diagnostics their ``free_slots`` and the idle check its logical free count.
+    """
+
+    def __init__(self, manager: KVCacheManager, size: int, device: str) -> None:
+        self._manager = manager
+        self._held: set[int] = set()
+        super().__init__(size=size, device=device)
+
+    elastic = True
+
+    def available_size(self) -> int:
+        return self._manager.available_size()
+
+    def logical_available_size(self) -> int:
+        """Slots no request or cache entry holds, mapped or not."""
+        return self.size - len(self._held)
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        free = sorted(set(range(1, self.size + 1)) - self._held)
+        return torch.tensor(free, dtype=torch.int64, device=self.device)
+
+    @free_slots.setter
+    def free_slots(self, _value: torch.Tensor) -> None:
+        pass  # SGLang's clear() assigns the full range: the manager is the free list here
+
+    def _do_alloc(self, need_size: int) -> torch.Tensor | None:
+        ids = self._manager.alloc(need_size)
+        if ids is None:
+            return None
+        self._held.update(ids)
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        ids = free_index.tolist()
+        self._manager.free(ids)
+        self._held.difference_update(ids)
+
+    def clear(self) -> None:
+        super().clear()
+        if self._held:
+            self._manager.clear()
+            self._held.clear()
+
+
+def use_elastic_mamba_allocator(_result: Any, req_pool: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``HybridReqToTokenPool._init_mamba_pool``: over an elastic Mamba pool, slots come from kvcached."""
+    pool = req_pool.mamba_pool
+    manager = getattr(pool, "kvcached_manager", None)
+    if manager is not None:
+        req_pool.mamba_allocator = ElasticMambaSlotAllocator(manager, size=pool.size, device=pool.device)

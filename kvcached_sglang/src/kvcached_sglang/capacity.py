@@ -41,11 +41,21 @@ def free_memory_with_elastic_peers(
     return free_gb + mapped_by_other_processes(load_settings(), label) / (1 << 30)
 
 
+def _with_logical(ps: Any, field: str, allocator: Any) -> Any:
+    if getattr(allocator, "elastic", False):
+        return dataclasses.replace(ps, **{field: allocator.logical_available_size()})
+    return ps
+
+
 def check_full_pool_logically(original: Callable[..., Any], checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``SchedulerInvariantChecker._check_full_pool``: over an elastic allocator, the identity
     ``available + evictable + protected == total`` is checked with the logical free count (tokens no one
     holds), not the physical one, which also drops when another engine holds memory."""
-    allocator = checker.token_to_kv_pool_allocator
-    if getattr(allocator, "elastic", False):
-        ps = dataclasses.replace(ps, full_available_size=allocator.logical_available_size())
+    ps = _with_logical(ps, "full_available_size", checker.token_to_kv_pool_allocator)
+    return original(checker, ps, *args, **kwargs)
+
+
+def check_mamba_pool_logically(original: Callable[..., Any], checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``SchedulerInvariantChecker._check_mamba_pool``: the same for Mamba slots."""
+    ps = _with_logical(ps, "mamba_available_size", getattr(checker.req_to_token_pool, "mamba_allocator", None))
     return original(checker, ps, *args, **kwargs)

@@ -7,12 +7,22 @@ from __future__ import annotations
 
 from kvcached_core.patches import Patch
 
-from .allocators import ElasticPagedTokenToKVPoolAllocator, ElasticTokenToKVPoolAllocator
-from .capacity import check_full_pool_logically, free_memory_with_elastic_peers, profile_virtual_capacity
-from .pools import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
+from .allocators import (
+    ElasticPagedTokenToKVPoolAllocator,
+    ElasticTokenToKVPoolAllocator,
+    use_elastic_mamba_allocator,
+)
+from .capacity import (
+    check_full_pool_logically,
+    check_mamba_pool_logically,
+    free_memory_with_elastic_peers,
+    profile_virtual_capacity,
+)
+from .pools import ElasticMambaPool, ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
 
 _POOLS = "sglang.srt.mem_cache.memory_pool"
 _ALLOC = "sglang.srt.mem_cache.allocator"
+_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -58,11 +68,32 @@ PATCHES: tuple[Patch, ...] = (
         "while profiling: memory other kvcached engines hold counts as free",
     ),
     Patch(
+        "mamba-pool",
+        f"{_POOLS}.HybridReqToTokenPool.mamba_pool_cls",
+        "replace",
+        ElasticMambaPool,
+        "Mamba states in kvcached memory (pool_name mamba)",
+    ),
+    Patch(
+        "mamba-allocator",
+        f"{_POOLS}.HybridReqToTokenPool._init_mamba_pool",
+        "after",
+        use_elastic_mamba_allocator,
+        "Mamba slots come from kvcached",
+    ),
+    Patch(
         "idle-check",
-        "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_full_pool",
+        f"{_CHECKER}._check_full_pool",
         "around",
         check_full_pool_logically,
         "idle leak check counts unmapped free pages as free",
+    ),
+    Patch(
+        "idle-check-mamba",
+        f"{_CHECKER}._check_mamba_pool",
+        "around",
+        check_mamba_pool_logically,
+        "idle leak check counts unmapped free Mamba slots as free",
     ),
 )
 
@@ -78,6 +109,11 @@ USED_SYMBOLS: tuple[str, ...] = (
     f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator.alloc_extend",
     f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator.alloc_decode",
     f"{_ALLOC}.base.BaseTokenToKVPoolAllocator._copy_for_free_group",
+    f"{_ALLOC}.mamba.MambaSlotAllocator._do_alloc",
+    f"{_POOLS}.MambaPool._conv_fuse_ok",
+    f"{_POOLS}.MambaPool._conv_slot_desc",
+    "sglang.srt.mem_cache.layout.token_major.build_mamba_entry_views",
+    "sglang.srt.mem_cache.layout.token_major.mamba_entry_bytes",
     "sglang.srt.utils.get_num_new_pages",
     "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats",
 )

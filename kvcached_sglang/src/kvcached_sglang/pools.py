@@ -8,12 +8,15 @@ buffer's ``data_ptr()``), only which of their pages are backed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.layout.token_major import build_mamba_entry_views, mamba_entry_bytes
+from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
 
 from kvcached_core import KVCacheManager
 
@@ -134,6 +137,62 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
     def _clear_buffers(self) -> None:
         super()._clear_buffers()
         close_manager(self)
+
+
+class ElasticMambaPool(MambaPool):
+    """SGLang's Mamba state pool (pool_name ``mamba``) with every slot's state in kvcached memory.
+
+    Replaces ``sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool.mamba_pool_cls`` (SGLang 0.5.23). The
+    states use SGLang's own slot-major envelope layout (``build_mamba_entry_views``: one entry holds a slot's
+    conv and temporal state of every layer), so one kvcached block is one slot and slot 0, SGLang's dummy
+    slot, is the reserved null block. Speculative decoding and ReplaySSM add per-slot scratch outside that
+    entry: with either, the pool keeps SGLang's buffers.
+    """
+
+    kvcached_manager: KVCacheManager | None = None
+    # Cached per-layout facts that SGLang computes from the states: dropped when the states move.
+    _LAYOUT_CACHES = ("_conv_fuse_ok", "_conv_slot_desc")
+
+    def __init__(self, **kwargs: Any) -> None:
+        plain = not (
+            kwargs.get("speculative_num_draft_tokens") is not None
+            or kwargs.get("enable_linear_replayssm")
+            or kwargs.get("enable_linear_replayssm_spec")
+        )
+        if not plain:
+            super().__init__(**kwargs)
+            return
+        size, params = kwargs["size"], kwargs["cache_params"]
+        # SGLang builds a one-slot envelope (no real memory); its states then move onto kvcached memory.
+        super().__init__(**dict(kwargs, size=0, envelope_layout=True))
+        geometry = dict(
+            layer_num=len(kwargs["mamba_layer_ids"]),
+            conv_state_shapes=params.shape.conv,
+            conv_dtype=params.dtype.conv,
+            temporal_state_shape=params.shape.temporal,
+            temporal_dtype=params.dtype.temporal,
+        )
+        entry = mamba_entry_bytes(**geometry)
+        manager = KVCacheManager(
+            num_blocks=size + 1,
+            block_bytes=entry,
+            num_layers=1,
+            num_kv_buffers=1,
+            device=_device(self.device),
+            pool_name="mamba",
+            name=instance_name(),
+            engine="sglang",
+            reserve_null_block=True,
+        )
+        self._raw = manager.buffer(0, 0)[: (size + 1) * entry]
+        conv, temporal = build_mamba_entry_views(self._raw, max_slots=size + 1, **geometry)
+        self.mamba_cache = dataclasses.replace(self.mamba_cache, conv=conv, temporal=temporal)
+        for name in self._LAYOUT_CACHES:
+            self.__dict__.pop(name, None)
+        self.size = size
+        self.mem_usage = (size + 1) * entry / (1 << 30)
+        self.kvcached_manager = manager
+        logger.info("kvcached: Mamba state pool of %d slots x %d bytes is elastic", size, entry)
 
 
 def close_manager(pool: object) -> None:
