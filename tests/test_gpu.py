@@ -109,3 +109,23 @@ def test_physical_exhaustion_is_a_capacity_miss(cuda_manager):
     finally:
         del hog
         torch.cuda.empty_cache()
+
+
+def test_reported_availability_is_served_on_a_nearly_full_device(cuda_manager):
+    """With another user holding all but 512 MiB, whatever available_size() reports is served in one call
+    (the pool's own refill never makes it fail), and the next page is a plain miss."""
+    free, _total = torch.cuda.mem_get_info()
+    hog = torch.empty(free - 512 * MiB, dtype=torch.uint8, device="cuda")
+    try:
+        mgr = cuda_manager(num_blocks=1 << 12, block_bytes=256 * 1024, num_layers=1, num_kv_buffers=1, reserved_pages=0)
+        for _ in range(5):
+            reported = mgr.available_size()
+            assert 0 < reported < (1 << 12)
+            ids = mgr.alloc(reported)
+            assert ids is not None, f"refused the {reported} blocks it reported"
+            mgr.free(ids)
+            mgr.trim()
+            assert wait_for(lambda: mgr.available_size() > 0, timeout=2.0)  # the device figure refreshed
+    finally:
+        del hog
+        torch.cuda.empty_cache()
