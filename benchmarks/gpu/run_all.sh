@@ -43,6 +43,8 @@ step "alloc_free cuda" "$py" "$repo/benchmarks/alloc_free.py" --device cuda --pa
 step "control_plane cuda" "$py" "$repo/benchmarks/control_plane.py" --device cuda --out "$out/control_plane_cuda.json"
 step "proof (churn 1e5 ops, unmap race, two processes, throughput, idle footprint)" \
   "$py" "$repo/benchmarks/gpu/proof.py" --out "$out/proof_cuda.json"
+step "driver reserve (reported pages are mappable on a nearly full device)" \
+  "$py" "$repo/benchmarks/gpu/probe_margin.py"
 if command -v compute-sanitizer > /dev/null; then
   step "compute-sanitizer memcheck (short churn)" timeout 150 compute-sanitizer --tool memcheck \
     "$py" "$repo/benchmarks/gpu/proof.py" --short
@@ -50,5 +52,5 @@ fi
 step "example 00 on cuda" "$py" "$repo/examples/00_two_processes/run.py" --device cuda
 step "example 02 on cuda" "$py" "$repo/examples/02_memory_control/run.py" --device cuda \
   --plot "$out/memory_control_cuda.png"
-grep -E "^(==|OK|FAILED|targets|map / floor)|ERROR SUMMARY|\"(no_|ops_|unmap_|idle_|two_)" "$log"
+grep -E "^(==|OK|FAILED|targets|map / floor)|ERROR SUMMARY|\"(no_|ops_|unmap_|idle_|two_|reported_le)" "$log"
 exit $status

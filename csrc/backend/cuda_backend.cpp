@@ -90,6 +90,15 @@ void CudaBackend::fence() {
   KVCACHED_CU(drv().cuCtxSynchronize());
 }
 
+std::size_t CudaBackend::allocatable_bytes() {
+  // The driver refuses the last few MiB that cuMemGetInfo reports free (3.1 MiB on an H200, whatever the
+  // number of mappings: benchmarks/gpu/probe_margin.py). Engines admit work from this figure, so it must not
+  // promise a page that cuMemCreate then refuses.
+  constexpr std::size_t kDriverReserve = 8u << 20;
+  const std::size_t free = mem_info().free_bytes;
+  return free > kDriverReserve ? free - kDriverReserve : 0;
+}
+
 void CudaBackend::zero(std::uintptr_t addr, std::size_t bytes) {
   make_current();
   KVCACHED_CU(drv().cuMemsetD8(static_cast<CUdeviceptr>(addr), 0, bytes));

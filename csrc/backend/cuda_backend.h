@@ -23,6 +23,7 @@ class CudaBackend final : public MemoryBackend {
   std::uintptr_t reserve(std::size_t bytes) override;
   void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override;
   std::optional<PhysHandle> create(std::size_t bytes) override;
+  std::size_t allocatable_bytes() override;
   void map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle) override;
   void unmap(std::uintptr_t addr, std::size_t bytes) override;
   void release(PhysHandle handle, std::size_t bytes) noexcept override;
