@@ -73,6 +73,7 @@ class Settings:
     host_device_bytes: int = 0
     control: bool = True
     watch_interval_ms: int = 10
+    prefix_cache_bytes: int = 512 << 20
     runtime_dir: str | None = None
 
     def resolved_runtime_dir(self) -> str:
@@ -109,6 +110,11 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_WATCH_INTERVAL_MS",
         _positive_int,
         "longest time before a manager sees a kvctl limit and republishes its state",
+    ),
+    "prefix_cache_bytes": Setting(
+        "KVCACHED_PREFIX_CACHE_BYTES",
+        _size,
+        "memory an idle engine keeps mapped for cached prefixes (vLLM plugin); the rest goes back",
     ),
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",

@@ -7,6 +7,8 @@ the first request.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
 import pkgutil
 import re
@@ -62,8 +64,10 @@ class EngineSupport:
 class Patch:
     """One named change to one engine symbol.
 
-    ``target`` is the dotted path of the symbol replaced or wrapped; ``kind`` says how (engine-specific, e.g.
-    ``"replace"`` or ``"around"``); ``hook`` is what goes in; ``why`` is one line for the docs and the check.
+    ``target`` is the dotted path of the symbol replaced or wrapped; ``kind`` says how (``"replace"``, or
+    ``"around"``: ``hook(original, *args, **kwargs)``; an engine's own hook registry may know more kinds);
+    ``hook`` is what goes in; ``why`` is one line for the docs and the check. ``aliases`` names the modules
+    that copied the target with ``from module import name``: :func:`install` rebinds those too.
     """
 
     name: str
@@ -71,16 +75,46 @@ class Patch:
     kind: str
     hook: Callable[..., Any] | type | None
     why: str
+    aliases: tuple[str, ...] = ()
 
     def resolve(self) -> Any:
         """The current target object; AttributeError/ImportError when the engine no longer has it."""
         return pkgutil.resolve_name(self.target)
 
 
+def install(patch: Patch) -> None:
+    """Apply ``patch`` by assignment, for engines without a hook registry: the target's owner and every
+    alias module get the replacement. An alias that no longer holds the original raises PluginLoadError
+    (the engine moved the symbol), before anything is assigned."""
+    owner_path, _, attr = patch.target.rpartition(".")
+    owner = pkgutil.resolve_name(owner_path)
+    original = getattr(owner, attr)
+    aliases = [importlib.import_module(module) for module in patch.aliases]
+    for module in aliases:
+        if getattr(module, attr, None) is not original:
+            raise PluginLoadError(f"{module.__name__}.{attr} is not {patch.target}; this engine version moved it")
+    if patch.kind == "replace":
+        new = patch.hook
+    elif patch.kind == "around":
+        hook = patch.hook
+
+        @functools.wraps(original)
+        def new(*args: Any, **kwargs: Any) -> Any:
+            return hook(original, *args, **kwargs)
+
+        new.__kvcached_patch__ = patch.name
+    else:
+        raise ValueError(f"patch {patch.name}: unknown kind {patch.kind!r}")
+    for holder in (owner, *aliases):
+        setattr(holder, attr, new)
+
+
 def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: Sequence[str] = ()) -> None:
     """Resolve every patch target (and every other engine symbol the plugin uses); raise one PluginLoadError
     naming all that are missing."""
-    targets = [p.target for p in patches] + list(extra_symbols)
+    patches = list(patches)
+    targets = [p.target for p in patches] + [f"{m}.{p.target.rpartition('.')[2]}" for p in patches for m in p.aliases]
+    targets += list(extra_symbols)
     missing = []
     for target in targets:
         try:
@@ -96,7 +130,13 @@ def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: S
 
 def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) -> list[dict[str, str]]:
     """One row per symbol the plugin touches: target, patch name, kind, and ``ok`` or the error."""
+    patches = list(patches)
     rows = [{"target": p.target, "patch": p.name, "kind": p.kind, "why": p.why} for p in patches]
+    rows += [
+        {"target": f"{m}.{p.target.rpartition('.')[2]}", "patch": p.name, "kind": "alias", "why": "imported by name"}
+        for p in patches
+        for m in p.aliases
+    ]
     rows += [{"target": s, "patch": "-", "kind": "uses", "why": "read by the plugin"} for s in extra_symbols]
     for row in rows:
         try:

@@ -1,0 +1,137 @@
+"""An elastic BlockPool: vLLM's own free queue and prefix cache, with kvcached deciding which blocks are new.
+
+Every block is in one of three states:
+
+- in use (``ref_cnt > 0``): allocated in kvcached, so its pages are mapped in every worker;
+- cached-free (``ref_cnt == 0`` with a prefix hash): still allocated in kvcached (its data is worth keeping)
+  and in vLLM's free queue as an eviction candidate, exactly as in vLLM;
+- free: released to kvcached, whose reclaim may unmap its page; it stays in vLLM's free queue.
+
+``get_new_blocks`` takes ids from kvcached (pages already mapped first), evicting cached-free blocks, oldest
+first, when kvcached cannot serve the request otherwise. ``get_num_free_blocks`` is what kvcached can map now
+plus the cached-free blocks, so the scheduler's admission and preemption follow physical memory and
+``kvctl limit``. Cached-free blocks beyond ``prefix_cache_blocks`` are evicted as they come free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from kvcached_core import KVCacheManager
+
+from . import runtime
+
+
+class ElasticBlockPool(BlockPool):
+    """``BlockPool`` over a kvcached planner (vLLM 0.32, 0.33).
+
+    Replaces the ``BlockPool`` that ``vllm.v1.core.kv_cache_coordinator`` builds for the scheduler's KV cache
+    groups; pools built elsewhere (offloading, connectors) stay vLLM's own. Without a planner for this many
+    blocks (the KV cache could not be made elastic) every method is vLLM's own.
+    """
+
+    def __init__(self, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(num_gpu_blocks, *args, **kwargs)
+        self._manager: KVCacheManager | None = runtime.planner_for(num_gpu_blocks)
+        self._held = bytearray(num_gpu_blocks)  # allocated in kvcached (in use or cached-free)
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._prefix_budget = runtime.prefix_cache_blocks(num_gpu_blocks)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether block ids come from kvcached."""
+        return self._manager is not None
+
+    def get_num_free_blocks(self) -> int:
+        if self._manager is None:
+            return super().get_num_free_blocks()
+        return self._manager.available_size() + len(self._cached_free)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if self._manager is None:
+            return super().get_new_blocks(num_blocks)
+        ids = self._manager.alloc(num_blocks)
+        while ids is None and self._cached_free:
+            self._evict_oldest(max(1, num_blocks - self._manager.available_size()))
+            ids = self._manager.alloc(num_blocks)
+        if ids is None:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        blocks = [self.blocks[i] for i in ids]
+        for block in blocks:
+            self._held[block.block_id] = 1
+            self.free_block_queue.remove(block)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        for block in blocks:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt += 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        if self._manager is not None:
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    self._cached_free.pop(block.block_id, None)  # a prefix hit takes it back into use
+        super().touch(blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        if self._manager is None:
+            return super().free_blocks(ordered_blocks)
+        ordered_blocks = list(ordered_blocks)
+        super().free_blocks(ordered_blocks)
+        released = []
+        for block in ordered_blocks:
+            if block.pool is not self or block.ref_cnt or block.is_null or not self._held[block.block_id]:
+                continue
+            if self.enable_caching and block.block_hash is not None:
+                self._cached_free[block.block_id] = None
+            else:
+                released.append(block.block_id)
+        self._release(released)
+        excess = len(self._cached_free) - self._prefix_budget
+        if excess > 0:
+            self._evict_oldest(excess)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        if self._manager is not None:
+            self._release_unhashed(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        done = super().reset_prefix_cache()
+        if done and self._manager is not None:
+            self._release_unhashed(list(self._cached_free))
+        return done
+
+    def _evict_oldest(self, count: int) -> None:
+        """Drop the ``count`` oldest cached-free blocks from the prefix cache and give them to kvcached."""
+        victims = []
+        while self._cached_free and len(victims) < count:
+            block_id, _ = self._cached_free.popitem(last=False)
+            self._maybe_evict_cached_block(self.blocks[block_id])
+            victims.append(block_id)
+        self._release(victims)
+
+    def _release_unhashed(self, block_ids: Iterable[int]) -> None:
+        released = []
+        for block_id in list(block_ids):
+            block = self.blocks[block_id]
+            if self._held[block_id] and block.ref_cnt == 0 and block.block_hash is None and not block.is_null:
+                self._cached_free.pop(block_id, None)
+                released.append(block_id)
+        self._release(released)
+
+    def _release(self, block_ids: list[int]) -> None:
+        if block_ids:
+            for block_id in block_ids:
+                self._held[block_id] = 0
+            self._manager.free(block_ids)
