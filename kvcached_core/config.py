@@ -114,7 +114,7 @@ SETTINGS: dict[str, Setting] = {
     "prefix_cache_bytes": Setting(
         "KVCACHED_PREFIX_CACHE_BYTES",
         _size,
-        "memory an idle engine keeps mapped for cached prefixes (vLLM plugin); the rest goes back",
+        "memory an idle engine keeps mapped for cached prefixes (vLLM plugin; 512 MiB); the rest goes back",
     ),
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",

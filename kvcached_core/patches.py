@@ -145,3 +145,50 @@ def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) ->
         except (ImportError, AttributeError, ValueError) as exc:
             row["status"] = f"missing ({type(exc).__name__})"
     return rows
+
+
+PatchSource = Callable[[], tuple[Sequence[Patch], Sequence[str]]]
+
+
+def load_checked(support: EngineSupport, source: PatchSource) -> tuple[str, Sequence[Patch]]:
+    """What a plugin's register() does first: check the engine version, import the patches (``source``
+    returns them and the other symbols the plugin uses), resolve every symbol. Returns the version and the
+    patches; raises one PluginLoadError naming what is wrong."""
+    version = support.check()
+    try:
+        patches, used = source()
+    except (ImportError, AttributeError) as exc:  # a module, class or function the plugin builds on is gone
+        raise PluginLoadError(f"cannot import what kvcached patches from {support.engine} {version}: {exc}") from None
+    verify(patches, support.engine, version, used)
+    return version, patches
+
+
+def check_main(prog: str, support: EngineSupport, source: PatchSource, argv: Sequence[str] | None = None) -> int:
+    """A plugin's ``*-check`` command: list every engine symbol it touches and whether the installed engine
+    has it. Exit 0 when all resolve, 1 when one is missing, 2 when the engine is absent or unsupported."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog=prog, description=f"List every {support.engine} symbol kvcached touches and check it is there."
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    try:
+        version = support.check()
+        patches, used = source()
+    except PluginLoadError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except (ImportError, AttributeError) as exc:
+        print(f"{prog}: {support.engine} {version}: {exc}", file=sys.stderr)
+        return 1
+    rows = check_report(patches, used)
+    if args.json:
+        print(json.dumps({"engine": support.engine, "version": version, "symbols": rows}, indent=2))
+    else:
+        print(f"{support.engine} {version}: {len(rows)} symbols")
+        for row in rows:
+            print(f"  {row['status']:<20} {row['kind']:<8} {row['patch']:<18} {row['target']}")
+    return 0 if all(row["status"] == "ok" for row in rows) else 1

@@ -10,13 +10,20 @@ from __future__ import annotations
 import logging
 
 from kvcached_core import ConfigError, load_settings
-from kvcached_core.patches import EngineSupport, PluginLoadError, verify
+from kvcached_core.patches import EngineSupport, Patch, PluginLoadError, load_checked
 
 __version__ = "0.1.0"
 SUPPORT = EngineSupport(engine="SGLang", distributions=("sglang",), supported=("0.5.23",))
 
 logger = logging.getLogger(__name__)
 _state = {"registered": False, "active": False}
+
+
+def patch_source() -> tuple[tuple[Patch, ...], tuple[str, ...]]:
+    """The patches and the other SGLang symbols the plugin uses (importing them imports SGLang)."""
+    from .patches import PATCHES, USED_SYMBOLS
+
+    return PATCHES, USED_SYMBOLS
 
 
 def register() -> None:
@@ -28,21 +35,16 @@ def register() -> None:
         if not load_settings().enable:
             logger.info("kvcached: disabled by KVCACHED_ENABLE=0; SGLang runs with its own KV cache")
             return
-        version = SUPPORT.check()
-        try:
-            from .patches import PATCHES, USED_SYMBOLS
-        except (ImportError, AttributeError) as exc:  # a module, class or function we build on is missing
-            raise PluginLoadError(f"cannot import what kvcached patches from SGLang {version}: {exc}") from None
-        verify(PATCHES, "SGLang", version, USED_SYMBOLS)
+        version, patches = load_checked(SUPPORT, patch_source)
     except (PluginLoadError, ConfigError) as exc:
         logger.error("kvcached: %s; SGLang runs with its own KV cache", exc)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for patch in PATCHES:
+    for patch in patches:
         HookRegistry.register(patch.target, patch.hook, HookType[patch.kind.upper()])
     _state["active"] = True
-    logger.info("kvcached: %d patches registered for SGLang %s", len(PATCHES), version)
+    logger.info("kvcached: %d patches registered for SGLang %s", len(patches), version)
 
 
 def active() -> bool:

