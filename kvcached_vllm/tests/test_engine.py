@@ -75,3 +75,18 @@ def test_kvctl_limit_caps_a_running_engine(runs):
     assert run["limit_rc"] == 0
     assert max(s["mapped"] for s in run["samples"]) <= 16 * MiB
     assert run["num_preemptions"] and run["num_preemptions"] > 0, "the cap never forced a preemption"
+
+
+def test_engine_shutdown_leaves_nothing_behind(runs):
+    """Every engine above has exited (LLM shut down: EngineCore and workers got SIGTERM): no segment, live
+    or stale, and no page table is left in the runtime directory."""
+    import os
+
+    from conftest import RUNTIME_DIR
+
+    from kvcached_core import load_settings, segment
+
+    found = segment.scan(segment.segment_dir(load_settings()))
+    assert found.live == [] and found.stale == [] and found.leftovers == []
+    tables = os.path.join(RUNTIME_DIR, "pagetables")
+    assert not os.path.isdir(tables) or os.listdir(tables) == []
