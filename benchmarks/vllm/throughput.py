@@ -19,6 +19,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "kvcached_vllm", "tests")
+EXAMPLE = os.path.join(REPO, "examples", "01_two_engines")
 
 
 def run(model: str, enabled: bool, extra: list[str]) -> dict:
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args()
-    sys.path.insert(0, TESTS)
+    sys.path.insert(0, EXAMPLE)
     from tiny_model import make_tiny_llama
 
     model = make_tiny_llama(os.path.join(tempfile.gettempdir(), "kvcached-tiny-llama"))

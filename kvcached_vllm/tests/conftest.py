@@ -12,13 +12,14 @@ import tempfile
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "01_two_engines")  # tiny_model.py
 RUNTIME_DIR = tempfile.mkdtemp(prefix="kvcached-vllm-tests-")
 os.environ["KVCACHED_RUNTIME_DIR"] = RUNTIME_DIR
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, EXAMPLE)
     from tiny_model import make_tiny_llama
 
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
