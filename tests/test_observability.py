@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_for
 
 import kvcached_core as kc
 from kvcached_core import _native, registry
@@ -244,3 +245,32 @@ def test_prometheus_exporter_is_discovered_and_its_output_parses(make_manager):
     assert value("kvcached_freed_blocks", "kvcached_freed_blocks_total") == 10
     assert value("kvcached_pool_allocated_blocks", "kvcached_pool_allocated_blocks") == 30
     assert value("kvcached_pool_mapped_bytes", "kvcached_pool_mapped_bytes") == 2 * BUFFERS * 2 * 1024 * 1024
+
+
+def test_segment_collector_shows_pools_of_other_processes(make_manager, settings):
+    """What an engine's metrics endpoint in a process without pools serves: counters and occupancy as the
+    owners publish them in their control segments."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcached_core.exporters.prometheus import SegmentCollector
+
+    mgr = make_manager(name="published", engine="vllm", reserved_pages=0)
+    ids = mgr.alloc(40)
+    mgr.free(ids[:10])
+    make_manager(name="other-engine", engine="sglang").alloc(1)
+    scrape = CollectorRegistry()
+    scrape.register(SegmentCollector(engine="vllm", settings=settings))
+
+    def families() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(generate_latest(scrape).decode())}
+
+    def value(family: str, metric: str) -> float:
+        (sample,) = [s for s in families()[family].samples if s.name == metric]  # the sglang pool is not shown
+        assert (sample.labels["instance"], sample.labels["pool_name"]) == ("published", "mha")
+        return sample.value
+
+    assert wait_for(lambda: value("kvcached_freed_blocks", "kvcached_freed_blocks_total") == 10)
+    assert value("kvcached_allocated_blocks", "kvcached_allocated_blocks_total") == 40
+    assert value("kvcached_pool_allocated_blocks", "kvcached_pool_allocated_blocks") == 30
+    assert value("kvcached_pool_mapped_bytes", "kvcached_pool_mapped_bytes") == mgr.snapshot()["mapped_bytes"]

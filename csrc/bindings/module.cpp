@@ -190,6 +190,10 @@ py::dict operation_snapshot(const BlockAllocator& a) {
 
 py::dict segment_dict(const SegmentInfo& i) {
   static const char* const kStatus[] = {"none", "applied", "deferred", "stale", "conflict"};
+  DictBuilder counters;
+#define KVCACHED_COUNTER_ITEM(name) counters.set_u(#name, i.counters.name);
+  KVCACHED_OPERATION_COUNTERS(KVCACHED_COUNTER_ITEM)
+#undef KVCACHED_COUNTER_ITEM
   return DictBuilder()
       .set("owner_pid", std::int64_t{i.owner_pid})
       .set_u("owner_uid", i.owner_uid)
@@ -219,6 +223,7 @@ py::dict segment_dict(const SegmentInfo& i) {
       .set_limit("limit_bytes", i.limit_bytes)
       .set_u("limit_revision", i.limit_revision)
       .set("pool_ready_handles", i.pool_ready_handles)
+      .set("counters", counters.done().release().ptr())
       .done();
 }
 

@@ -171,6 +171,10 @@ void ControlSegment::publish() noexcept {
   seg_->limit_bytes.store(s.limit_bytes, r);
   seg_->limit_revision.store(s.limit_revision, r);
   seg_->pool_ready_handles.store(s.pool_ready, r);
+  const OperationCounters& ops = allocator_->counters();
+#define KVCACHED_PUBLISH_COUNTER(name) seg_->name.store(ops.name.load(r), r);
+  KVCACHED_OPERATION_COUNTERS(KVCACHED_PUBLISH_COUNTER)
+#undef KVCACHED_PUBLISH_COUNTER
   seg_->state_seq.fetch_add(1, std::memory_order_release);  // even: consistent
 }
 
@@ -265,6 +269,9 @@ SegmentInfo read_segment(const std::string& path) {
       info.limit_bytes = s->limit_bytes.load(r);
       info.limit_revision = s->limit_revision.load(r);
       info.pool_ready_handles = s->pool_ready_handles.load(r);
+#define KVCACHED_READ_COUNTER(name) info.counters.name = s->name.load(r);
+      KVCACHED_OPERATION_COUNTERS(KVCACHED_READ_COUNTER)
+#undef KVCACHED_READ_COUNTER
       std::atomic_thread_fence(std::memory_order_acquire);
       if (s->state_seq.load(r) == before) break;
     }

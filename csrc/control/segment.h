@@ -71,6 +71,11 @@ struct SegmentInfo {
   std::int64_t total_blocks, allocated_blocks, available_blocks;
   std::uint64_t mapped_bytes, used_bytes, limit_bytes, limit_revision;
   std::int64_t pool_ready_handles;
+  struct Counters {
+#define KVCACHED_INFO_COUNTER(name) std::uint64_t name = 0;
+    KVCACHED_OPERATION_COUNTERS(KVCACHED_INFO_COUNTER)
+#undef KVCACHED_INFO_COUNTER
+  } counters;
 };
 
 // Reads and validates the segment at `path`. Throws SegmentError naming what is wrong with the file.

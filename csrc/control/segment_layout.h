@@ -11,10 +11,12 @@
 #include <atomic>
 #include <cstdint>
 
+#include "blocks/operation_counters.h"
+
 namespace kvcached {
 
 constexpr std::uint64_t kSegmentMagic = 0x0131474553435654ULL;  // "TVCSEG\x31\x01" little-endian
-constexpr std::uint32_t kSegmentLayoutVersion = 1;
+constexpr std::uint32_t kSegmentLayoutVersion = 2;  // 2: operation counters published
 
 enum class LimitStatus : std::uint32_t { kNone = 0, kApplied = 1, kDeferred = 2, kStale = 3, kConflict = 4 };
 
@@ -61,6 +63,11 @@ struct SegmentLayout {
   std::atomic<std::uint64_t> limit_bytes;
   std::atomic<std::uint64_t> limit_revision;
   std::atomic<std::int64_t> pool_ready_handles;
+  // The pool's operation counters, in KVCACHED_OPERATION_COUNTERS order: an engine's metrics endpoint in
+  // another process (vLLM's API server) reads them here.
+#define KVCACHED_SEGMENT_COUNTER(name) std::atomic<std::uint64_t> name;
+  KVCACHED_OPERATION_COUNTERS(KVCACHED_SEGMENT_COUNTER)
+#undef KVCACHED_SEGMENT_COUNTER
 };
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "segment atomics must be lock-free to share");

@@ -150,6 +150,12 @@ def main() -> int:
             time.sleep(2.0)  # idle: the engine gives its memory back
         stop.set()
         sampler.join()
+        with urllib.request.urlopen("http://127.0.0.1:8100/metrics", timeout=10) as response:
+            series = [line for line in response.read().decode().splitlines() if line.startswith("kvcached_")]
+        print(
+            f"metrics: engine-A's /metrics serves {len(series)} kvcached series, e.g. "
+            + next((line for line in series if line.startswith("kvcached_pool_mapped_bytes")), "none")
+        )
     finally:
         for proc in procs.values():
             if proc.poll() is None:

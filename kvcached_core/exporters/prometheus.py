@@ -2,7 +2,8 @@
 
 One metric family per operation counter (``kvcached_<name>_total``) and per occupancy gauge
 (``kvcached_pool_<name>``), labelled by instance, pool_name and
-device, read from the live pools of this process at scrape time. Serve it on a port of your own with
+device, read at scrape time from the live pools of this process (:class:`KvcachedCollector`) or from the
+control segments of pools in other processes (:class:`SegmentCollector`). Serve it on a port of your own with
 :func:`start_http_server`, or mount it in an engine's registry (the ``kvcached_mount_exporter`` hook does
 this for ``kvcached_core.plugins.mount_exporters(registry)``). prometheus_client is imported only when used.
 """
@@ -28,24 +29,55 @@ GAUGES = {
 }
 
 
+def _families(pools: list[tuple[list[str], dict, dict]]) -> Iterator[Any]:
+    """Metric families from ``(labels, counters, occupancy)`` per pool."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name in _native.OPERATION_COUNTERS:
+        family = CounterMetricFamily(PREFIX + name.removesuffix("_total"), name.replace("_", " "), labels=LABELS)
+        for labels, counters, _ in pools:
+            family.add_metric(labels, counters[name])
+        yield family
+    for name, help_text in GAUGES.items():
+        family = GaugeMetricFamily(GAUGE_PREFIX + name, help_text, labels=LABELS)
+        for labels, _, occupancy in pools:
+            if occupancy[name] is not None:
+                family.add_metric(labels, occupancy[name])
+        yield family
+
+
 class KvcachedCollector:
     """A prometheus_client collector over this process's live pools."""
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        pools = [
+            ([m.name, m.pool_name, m.device], m.operation_snapshot(), m.snapshot())
+            for m in registry.live_managers()
+            if not m.closed
+        ]
+        yield from _families(pools)
 
-        pools = [(m, m.operation_snapshot(), m.snapshot()) for m in registry.live_managers() if not m.closed]
-        for name in _native.OPERATION_COUNTERS:
-            family = CounterMetricFamily(PREFIX + name.removesuffix("_total"), name.replace("_", " "), labels=LABELS)
-            for mgr, ops, _ in pools:
-                family.add_metric([mgr.name, mgr.pool_name, mgr.device], ops[name])
-            yield family
-        for name, help_text in GAUGES.items():
-            family = GaugeMetricFamily(GAUGE_PREFIX + name, help_text, labels=LABELS)
-            for mgr, _, snap in pools:
-                if snap[name] is not None:
-                    family.add_metric([mgr.name, mgr.pool_name, mgr.device], snap[name])
-            yield family
+
+class SegmentCollector:
+    """A prometheus_client collector over the control segments of live pools in other processes.
+
+    For an engine whose metrics endpoint runs in a process that holds no pool (vLLM's API server, whose
+    pools live in EngineCore): counters and occupancy as their owners last published them (every
+    ``KVCACHED_WATCH_INTERVAL_MS``). ``engine`` and ``name`` select the pools shown.
+    """
+
+    def __init__(self, engine: str | None = None, name: str | None = None, settings: Any = None) -> None:
+        self.engine, self.name, self.settings = engine, name, settings
+
+    def collect(self) -> Iterator[Any]:
+        from .. import load_settings, segment
+
+        pools = []
+        for seg in segment.scan(segment.segment_dir(self.settings or load_settings())).live:
+            i = seg.info
+            if (self.engine is None or i["engine"] == self.engine) and (self.name is None or i["name"] == self.name):
+                pools.append(([i["name"], i["pool_name"], i["device"]], i["counters"], i))
+        yield from _families(pools)
 
 
 def start_http_server(port: int, addr: str = "127.0.0.1") -> Any:

@@ -112,3 +112,48 @@ def test_block_pool_follows_the_planner(loaded):
         pool.free_blocks(held)
     finally:
         planner.close()
+
+
+def test_gpu_start_check_counts_memory_elastic_peers_hold(tmp_path, monkeypatch):
+    """vLLM's own request_memory with a snapshot taken without measuring (no GPU here): refused as vLLM
+    would refuse it, then accepted once another process's kvcached pool on that device holds the gap."""
+    import math
+    import subprocess
+    import sys
+    import tempfile
+
+    from vllm.config import CacheConfig
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker import utils
+
+    from kvcached_vllm.worker import request_memory_with_elastic_peers
+
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))  # a runtime directory of this test's own
+    original = utils.request_memory.__wrapped__
+    snapshot = MemorySnapshot(free_memory=64 << 20, total_memory=100 << 20, device="cpu", auto_measure=False)
+    config = CacheConfig(gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="Free memory on device"):
+        request_memory_with_elastic_peers(original, snapshot, config)
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, kvcached_core as kc\n"
+                "m = kc.KVCacheManager(num_blocks=32, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1, "
+                "reserved_pages=0, name='peer', engine='vllm')\n"
+                "m.alloc(30); m._control.publish(); print('ready', flush=True); sys.stdin.readline()"
+            ),
+        ],
+        cwd=tempfile.gettempdir(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        assert request_memory_with_elastic_peers(original, snapshot, config) == math.ceil((100 << 20) * 0.9)
+        assert snapshot.free_memory == 64 << 20  # vLLM's own snapshot is left as it was
+    finally:
+        peer.kill()
+        peer.wait()

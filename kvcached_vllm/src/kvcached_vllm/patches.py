@@ -10,7 +10,7 @@ from kvcached_core.patches import Patch
 
 from .block_pool import ElasticBlockPool
 from .engine import elastic_kv_cache_configs
-from .worker import allocate_kv_cache, sync_before_step, virtual_cpu_kv_memory
+from .worker import allocate_kv_cache, request_memory_with_elastic_peers, sync_before_step, virtual_cpu_kv_memory
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -44,6 +44,14 @@ PATCHES: tuple[Patch, ...] = (
         "each worker maps (and unmaps after a fence) before a step runs",
     ),
     Patch(
+        "gpu-start-check",
+        "vllm.v1.worker.utils.request_memory",
+        "around",
+        request_memory_with_elastic_peers,
+        "GPU start-up check: memory other kvcached engines hold counts as free",
+        aliases=("vllm.v1.worker.gpu_worker",),
+    ),
+    Patch(
         "cpu-kv-memory",
         "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory",
         "around",
@@ -62,4 +70,5 @@ USED_SYMBOLS: tuple[str, ...] = (
     "vllm.v1.kv_cache_interface.UniformTypeKVCacheSpecs",
     "vllm.v1.kv_cache_interface.MLAAttentionSpec",
     "vllm.v1.worker.cpu_worker.CPUWorker._should_warm_up_model",
+    "vllm.v1.metrics.loggers.StatLoggerBase",
 )

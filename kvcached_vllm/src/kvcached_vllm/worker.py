@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvcached_core import PageMirror
+from kvcached_core import PageMirror, load_settings
+from kvcached_core.segment import mapped_by_other_processes
 
 from . import runtime
 
@@ -81,3 +83,16 @@ def virtual_cpu_kv_memory(original: Callable[..., int], worker: Any) -> int:
     if worker._should_warm_up_model():
         worker.model_runner.warming_up_model()
     return explicit
+
+
+def request_memory_with_elastic_peers(
+    original: Callable[..., int], init_snapshot: Any, *args: Any, **kwargs: Any
+) -> int:
+    """AROUND ``vllm.v1.worker.utils.request_memory`` (GPU workers): the start-up check that free memory
+    covers ``gpu_memory_utilization`` counts memory other kvcached engines hold on this device as free, since
+    it comes back when they idle. The snapshot vLLM keeps is not changed."""
+    held = mapped_by_other_processes(load_settings(), _device_label(init_snapshot.device_))
+    if held:
+        init_snapshot = copy.copy(init_snapshot)
+        init_snapshot.free_memory += held
+    return original(init_snapshot, *args, **kwargs)
