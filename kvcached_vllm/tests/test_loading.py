@@ -157,3 +157,48 @@ def test_gpu_start_check_counts_memory_elastic_peers_hold(tmp_path, monkeypatch)
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_cached_prefix_blocks_are_evicted_page_aware(loaded, monkeypatch):
+    """vLLM's BlockPool with prefix caching over a real planner: cached-free blocks beyond the budget are
+    evicted whole page first, so the page comes free; blocks on a page still in use are kept longest."""
+    from vllm.v1.core import kv_cache_coordinator
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from kvcached_core import KVCacheManager
+    from kvcached_vllm import runtime
+
+    per_block = 4 * (64 << 10)  # 4 buffers of 64 KiB blocks: 32 blocks per 2 MiB page
+    monkeypatch.setenv("KVCACHED_PREFIX_CACHE_BYTES", str(40 * per_block))
+    planner = KVCacheManager(
+        num_blocks=321,
+        block_bytes=64 << 10,
+        num_layers=4,
+        num_kv_buffers=1,
+        reserve_null_block=True,
+        reserved_pages=0,
+        mapped_by_workers=True,
+        name="unit-cache",
+        engine="vllm",
+    )
+    runtime.add_planner(321, planner)
+    try:
+        pool = kv_cache_coordinator.BlockPool(321, enable_caching=True, hash_block_size=16)
+        blocks = pool.get_new_blocks(31 + 32 + 32)  # page 0 (less the null block), pages 1 and 2
+        pages = {b.block_id // 32 for b in blocks}
+        assert pages == {0, 1, 2}
+        for b in blocks:  # what cache_full_blocks does for a block that filled up
+            pool._insert_block_hash(make_block_hash_with_group_id(b.block_id.to_bytes(32, "big"), 0), b, 16)
+        keep = [b for b in blocks if b.block_id // 32 == 1][:1]  # one block of page 1 stays in use
+        pool.free_blocks([b for b in blocks if b not in keep])
+        # 94 cached-free blocks against a budget of 40: whole idle pages (0 and 2) go first, page 1 stays.
+        cached = {i // 32 for i in pool._cached_free}
+        assert cached == {1} and len(pool._cached_free) == 31
+        assert planner.snapshot()["allocated_blocks"] == 32  # page 1's blocks: one in use, 31 cached
+        assert pool.get_num_free_blocks() == planner.available_size() + 31
+        hit = pool.blocks[next(iter(pool._cached_free))]
+        pool.touch([hit])  # a prefix hit takes a cached block back into use
+        assert hit.block_id not in pool._cached_free and hit.ref_cnt == 1
+        pool.free_blocks(keep + [hit])
+    finally:
+        planner.close()

@@ -7,10 +7,12 @@ Every block is in one of three states:
   and in vLLM's free queue as an eviction candidate, exactly as in vLLM;
 - free: released to kvcached, whose reclaim may unmap its page; it stays in vLLM's free queue.
 
-``get_new_blocks`` takes ids from kvcached (pages already mapped first), evicting cached-free blocks, oldest
-first, when kvcached cannot serve the request otherwise. ``get_num_free_blocks`` is what kvcached can map now
-plus the cached-free blocks, so the scheduler's admission and preemption follow physical memory and
-``kvctl limit``. Cached-free blocks beyond ``prefix_cache_blocks`` are evicted as they come free.
+``get_new_blocks`` takes ids from kvcached (pages already mapped first), evicting cached-free blocks when
+kvcached cannot serve the request otherwise. ``get_num_free_blocks`` is what kvcached can map now plus the
+cached-free blocks, so the scheduler's admission and preemption follow physical memory and ``kvctl limit``.
+Cached-free blocks beyond ``KVCACHED_PREFIX_CACHE_BYTES`` are evicted as they come free, page-aware: first
+those on pages where no block is in use (oldest such page first), so whole pages come free and can be
+unmapped, then the oldest others.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class ElasticBlockPool(BlockPool):
         self._held = bytearray(num_gpu_blocks)  # allocated in kvcached (in use or cached-free)
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._prefix_budget = runtime.prefix_cache_blocks(num_gpu_blocks)
+        # Page-aware eviction: blocks in use per physical page, cached-free blocks per page, and the pages
+        # whose every held block is cached-free (evicting those gives whole pages back), oldest first.
+        self._blocks_per_page = 1
+        if self._manager is not None:
+            self._blocks_per_page = max(1, self._manager.page_bytes // self._manager.block_bytes)
+        self._busy = [0] * (num_gpu_blocks // self._blocks_per_page + 1)
+        self._cached_by_page: dict[int, dict[int, None]] = {}
+        self._idle_pages: OrderedDict[int, None] = OrderedDict()
 
     @property
     def elastic(self) -> bool:
@@ -57,13 +67,14 @@ class ElasticBlockPool(BlockPool):
             return super().get_new_blocks(num_blocks)
         ids = self._manager.alloc(num_blocks)
         while ids is None and self._cached_free:
-            self._evict_oldest(max(1, num_blocks - self._manager.available_size()))
+            self._evict(max(1, num_blocks - self._manager.available_size()))
             ids = self._manager.alloc(num_blocks)
         if ids is None:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = [self.blocks[i] for i in ids]
         for block in blocks:
             self._held[block.block_id] = 1
+            self._mark_busy(block.block_id, 1)
             self.free_block_queue.remove(block)
         if self._reuse_watchers:
             self._notify_reuse(blocks)
@@ -79,8 +90,9 @@ class ElasticBlockPool(BlockPool):
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         if self._manager is not None:
             for block in blocks:
-                if block.ref_cnt == 0:
-                    self._cached_free.pop(block.block_id, None)  # a prefix hit takes it back into use
+                if block.ref_cnt == 0 and block.block_id in self._cached_free:  # a prefix hit: back in use
+                    self._forget_cached(block.block_id)
+                    self._mark_busy(block.block_id, 1)
         super().touch(blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -92,14 +104,15 @@ class ElasticBlockPool(BlockPool):
         for block in ordered_blocks:
             if block.pool is not self or block.ref_cnt or block.is_null or not self._held[block.block_id]:
                 continue
+            self._mark_busy(block.block_id, -1)
             if self.enable_caching and block.block_hash is not None:
-                self._cached_free[block.block_id] = None
+                self._remember_cached(block.block_id)
             else:
                 released.append(block.block_id)
         self._release(released)
         excess = len(self._cached_free) - self._prefix_budget
         if excess > 0:
-            self._evict_oldest(excess)
+            self._evict(excess)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
@@ -112,13 +125,49 @@ class ElasticBlockPool(BlockPool):
             self._release_unhashed(list(self._cached_free))
         return done
 
-    def _evict_oldest(self, count: int) -> None:
-        """Drop the ``count`` oldest cached-free blocks from the prefix cache and give them to kvcached."""
-        victims = []
+    def _page(self, block_id: int) -> int:
+        return block_id // self._blocks_per_page
+
+    def _mark_busy(self, block_id: int, delta: int) -> None:
+        page = self._page(block_id)
+        self._busy[page] += delta
+        if self._busy[page] == 0 and page in self._cached_by_page:
+            self._idle_pages[page] = None
+        elif delta > 0 and self._busy[page] == 1:
+            self._idle_pages.pop(page, None)
+
+    def _remember_cached(self, block_id: int) -> None:
+        page = self._page(block_id)
+        self._cached_free[block_id] = None
+        self._cached_by_page.setdefault(page, {})[block_id] = None
+        if self._busy[page] == 0:
+            self._idle_pages.setdefault(page, None)
+
+    def _forget_cached(self, block_id: int) -> None:
+        page = self._page(block_id)
+        self._cached_free.pop(block_id, None)
+        on_page = self._cached_by_page.get(page)
+        if on_page is not None:
+            on_page.pop(block_id, None)
+            if not on_page:
+                del self._cached_by_page[page]
+                self._idle_pages.pop(page, None)
+
+    def _evict(self, count: int) -> None:
+        """Drop ``count`` cached-free blocks from the prefix cache and give them to kvcached: whole idle pages
+        first (oldest first), then the oldest blocks elsewhere."""
+        victims: list[int] = []
+        while self._idle_pages and len(victims) < count:
+            page = next(iter(self._idle_pages))
+            victims.extend(self._cached_by_page[page])
+            for block_id in list(self._cached_by_page[page]):
+                self._forget_cached(block_id)
         while self._cached_free and len(victims) < count:
-            block_id, _ = self._cached_free.popitem(last=False)
-            self._maybe_evict_cached_block(self.blocks[block_id])
+            block_id = next(iter(self._cached_free))
+            self._forget_cached(block_id)
             victims.append(block_id)
+        for block_id in victims:
+            self._maybe_evict_cached_block(self.blocks[block_id])
         self._release(victims)
 
     def _release_unhashed(self, block_ids: Iterable[int]) -> None:
@@ -126,7 +175,7 @@ class ElasticBlockPool(BlockPool):
         for block_id in list(block_ids):
             block = self.blocks[block_id]
             if self._held[block_id] and block.ref_cnt == 0 and block.block_hash is None and not block.is_null:
-                self._cached_free.pop(block_id, None)
+                self._forget_cached(block_id)
                 released.append(block_id)
         self._release(released)
 
