@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--limit", help="kvctl limit applied before the batch, e.g. 12M")
     parser.add_argument("--watch-idle", type=float, default=0.0)
     parser.add_argument("--name", default="tiny")
+    parser.add_argument("--executor", help="vLLM's distributed_executor_backend (uni: the worker in EngineCore)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -73,6 +74,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.prefix_caching,
         disable_log_stats=False,
+        **({"distributed_executor_backend": args.executor} if args.executor else {}),
     )
     result: dict = {"pools_at_start": pools(args.name)}
     if args.limit:

@@ -109,6 +109,11 @@ def planner_device(vllm_config: Any) -> str:
     return "cpu" if kind == "cpu" else "cuda:0"
 
 
+def workers_in_this_process(vllm_config: Any) -> bool:
+    """Whether the one worker runs inside EngineCore (vLLM's ``uni`` executor: TP=1 on a GPU by default)."""
+    return getattr(vllm_config.parallel_config, "distributed_executor_backend", None) == "uni"
+
+
 def elastic_kv_cache_configs(original: Callable[..., list], vllm_config: Any, specs: Any, available: list[int]) -> list:
     """AROUND ``get_kv_cache_configs`` (EngineCore): size the KV cache as vLLM does, align the block count
     to whole pages, make the planner, and tell the workers where its page table is."""
@@ -124,6 +129,9 @@ def elastic_kv_cache_configs(original: Callable[..., list], vllm_config: Any, sp
     if geo is None:
         logger.warning("kvcached: %s; this engine keeps vLLM's static KV cache", why)
         return configs
+    # With the worker in this process the manager maps directly (the direct path); otherwise it only plans
+    # and every worker maps what it publishes (DESIGN.md principle 6).
+    direct = workers_in_this_process(vllm_config)
     planner = KVCacheManager(
         num_blocks=geo.num_blocks,
         block_bytes=geo.block_bytes,
@@ -134,17 +142,18 @@ def elastic_kv_cache_configs(original: Callable[..., list], vllm_config: Any, sp
         name=instance_name(vllm_config),
         engine="vllm",
         reserve_null_block=True,
-        mapped_by_workers=True,
+        mapped_by_workers=not direct,
     )
     runtime.add_planner(geo.num_blocks, planner)
     for config in configs:
-        config.kvcached = {"page_table": planner.page_table_path, "size": geo.size}
+        config.kvcached = {"page_table": planner.page_table_path, "size": geo.size, "direct": direct}
     logger.info(
-        "kvcached: %d KV blocks of %d bytes in %d buffers are elastic (pool %s, instance %s)",
+        "kvcached: %d KV blocks of %d bytes in %d buffers are elastic (pool %s, instance %s, %s)",
         geo.num_blocks,
         geo.block_bytes,
         geo.num_buffers,
         planner.pool_name,
         planner.name,
+        "mapped in this process" if direct else "mapped by each worker",
     )
     return configs

@@ -41,10 +41,13 @@ def allocate_kv_cache(
     info = getattr(kv_cache_config, "kvcached", None)
     if info is None or not kv_cache_config.kv_cache_tensors:
         return original(kv_cache_config, device, layout, kernel_block_sizes)
-    mirror = PageMirror(info["page_table"], _device_label(device))
-    runtime.add_mirror(mirror)
-    mirror.sync()
-    raw = mirror.flat_buffer()[: info["size"]].view(torch.int8)
+    if info.get("direct"):  # the worker runs in EngineCore: the scheduler's manager maps, no mirror
+        memory = runtime.planner_for(kv_cache_config.num_blocks)
+    else:
+        memory = PageMirror(info["page_table"], _device_label(device))
+        runtime.add_mirror(memory)
+        memory.sync()
+    raw = memory.flat_buffer()[: info["size"]].view(torch.int8)
 
     caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
