@@ -7,12 +7,19 @@ import: the planner when EngineCore has sized the KV cache, a mirror when a work
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from kvcached_core import KVCacheManager, PageMirror, load_settings
 
 _planners: dict[tuple[int, int], KVCacheManager] = {}  # (pid, num_blocks) -> planner
 _mirrors: dict[int, list[PageMirror]] = {}  # pid -> this worker's mirrors
+# A worker's steps and its idle syncs exclude each other: pages are unmapped only between steps.
+_step_lock = threading.RLock()
+_idle_syncer: dict[int, threading.Event] = {}  # pid -> stop flag of this worker's idle-sync thread
 
 
 def add_planner(num_blocks: int, planner: KVCacheManager) -> None:
@@ -34,17 +41,51 @@ def prefix_cache_blocks(num_blocks: int) -> int:
 
 
 def add_mirror(mirror: PageMirror) -> None:
-    _mirrors.setdefault(os.getpid(), []).append(mirror)
+    """Keep ``mirror`` in sync: before every step (:func:`run_step`), and every ``KVCACHED_WATCH_INTERVAL_MS``
+    while the worker is idle, so an idle engine's workers give back what its scheduler released."""
+    pid = os.getpid()
+    _mirrors.setdefault(pid, []).append(mirror)
+    if pid not in _idle_syncer:
+        stop = threading.Event()
+        _idle_syncer[pid] = stop
+        interval = load_settings().watch_interval_ms / 1000
+        thread = threading.Thread(target=_sync_while_idle, args=(stop, interval), name="kvcached-idle-sync")
+        thread.daemon = True
+        thread.start()
+        atexit.register(close_all)  # stop the thread and unmap before the interpreter tears down
 
 
 def sync_mirrors() -> None:
-    """Bring this worker's mappings up to the planner's page table (before a step runs)."""
-    for mirror in _mirrors.get(os.getpid(), ()):
-        mirror.sync()
+    """Bring this worker's mappings up to the planner's page table."""
+    with _step_lock:
+        for mirror in _mirrors.get(os.getpid(), ()):
+            mirror.sync()
+
+
+def run_step(step: Callable[[], Any]) -> Any:
+    """Sync, then run a worker step, with no idle sync in between or during it."""
+    with _step_lock:
+        sync_mirrors()
+        return step()
+
+
+def _sync_while_idle(stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        if _step_lock.acquire(blocking=False):  # a step is running: it synced, the next idle turn will
+            try:
+                if not stop.is_set():
+                    sync_mirrors()
+            finally:
+                _step_lock.release()
 
 
 def close_all() -> None:
-    for mirror in _mirrors.pop(os.getpid(), []):
+    stop = _idle_syncer.pop(os.getpid(), None)
+    if stop is not None:
+        stop.set()
+    with _step_lock:
+        mirrors = _mirrors.pop(os.getpid(), [])
+    for mirror in mirrors:
         mirror.close()
     for key in [k for k in _planners if k[0] == os.getpid()]:
         _planners.pop(key).close()

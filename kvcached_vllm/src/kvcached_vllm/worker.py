@@ -72,9 +72,8 @@ def allocate_kv_cache(
 
 def sync_before_step(original: Callable[..., Any], wrapper: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``WorkerWrapperBase.execute_model``: map the pages this step's blocks use (and unmap, after a
-    fence, those the planner gave up) before the step runs."""
-    runtime.sync_mirrors()
-    return original(wrapper, *args, **kwargs)
+    fence, those the planner gave up) before the step runs; idle syncs wait for the step to end."""
+    return runtime.run_step(lambda: original(wrapper, *args, **kwargs))
 
 
 def virtual_cpu_kv_memory(original: Callable[..., int], worker: Any) -> int:
