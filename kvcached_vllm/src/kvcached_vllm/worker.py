@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +12,6 @@ from kvcached_core import PageMirror, load_settings
 from kvcached_core.segment import mapped_by_other_processes
 
 from . import runtime
-
-logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 
 
 def _device_label(device: torch.device | str) -> str:
@@ -46,7 +43,7 @@ def allocate_kv_cache(
     else:
         memory = PageMirror(info["page_table"], _device_label(device))
         runtime.add_mirror(memory)
-        memory.sync()
+        runtime.sync_mirrors()
     raw = memory.flat_buffer()[: info["size"]].view(torch.int8)
 
     caches: dict[str, torch.Tensor] = {}
