@@ -77,10 +77,6 @@ class Patch:
     why: str
     aliases: tuple[str, ...] = ()
 
-    def resolve(self) -> Any:
-        """The current target object; AttributeError/ImportError when the engine no longer has it."""
-        return pkgutil.resolve_name(self.target)
-
 
 def install(patch: Patch) -> None:
     """Apply ``patch`` by assignment, for engines without a hook registry: the target's owner and every
