@@ -33,6 +33,24 @@ def parse_device(device: DeviceLike) -> tuple[str, int]:
     raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
 
 
+def host_device_label(device: str) -> str:
+    """The label a device (``cpu``, ``cuda:N``) has for every process of the host: what control segments
+    and pressure records name. ``cuda:N`` is an index into this process's ``CUDA_VISIBLE_DEVICES``, so two
+    engines started with different ones (the usual way to put engines on different GPUs) would both say
+    ``cuda:0``; this names the GPU as the host does (``cuda:3``, or ``cuda:GPU-<uuid>`` when the variable
+    lists UUIDs), so engines on different GPUs never count each other's memory."""
+    if not device.startswith("cuda:"):
+        return device
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return device
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    index = int(device[len("cuda:") :])
+    if index >= len(entries):
+        return device
+    return f"cuda:{entries[index]}"[:31]
+
+
 def cuda_unavailable_reason() -> str:
     """Why the CUDA backend cannot be used in this process, or '' when it can."""
     return _native.cuda_unavailable_reason()

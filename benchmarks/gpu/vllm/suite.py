@@ -1,0 +1,616 @@
+"""kvcached-vllm on a GPU, measured against vLLM without kvcached in the same run. Prints and writes JSON.
+
+    python suite.py PHASE [PHASE ...] --out DIR [--model DIR]
+
+Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
+
+- ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
+  tokens of 256 prompts with prefix caching off and on (must be identical), then a timed batch (offline
+  throughput ratio, twice per side).
+- ``serve``: one ``vllm serve`` without, then one with kvcached; an open-loop client (Poisson arrivals,
+  streaming) at three request rates up to saturation: TTFT and TPOT p50/p99, request throughput, failures.
+- ``share`` / ``share3``: two (three) engines started at the same moment on one GPU, each sized with
+  ``--gpu-memory-utilization`` to a virtual KV capacity close to the whole GPU; bursts to each in turn;
+  every engine's mapped KV memory sampled every 50 ms (PNG). Reports each burst's peak against the first
+  burst's (which ran with the other engines empty), the hand-over times (release: an engine's memory back
+  after its burst; take-over: the next engine holding memory the previous one held), failed requests,
+  preemptions, and the cached-prefix blocks idle engines gave back under pressure.
+- ``limit``: ``kvctl limit`` on a live engine in the middle of a burst: the cap holds, vLLM preempts and
+  recovers, every request completes.
+- ``tp``: ``offline`` identity at tensor-parallel size 2 (the mirror path: a worker process per GPU).
+- ``model``: only make the model (before streams that share it start).
+
+The model is random, made here, with Llama-3-8B's KV shape (32 layers, 8 KV heads of 128, bfloat16: 128 KiB
+of KV per token, 2 MiB per 16-token block) and small hidden and MLP sizes. Requires vLLM's CUDA build with
+kvcached-vllm installed; see README.md in this folder for running it on the lent H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+GiB = 1 << 30
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def make_model(path: str) -> str:
+    sys.path.insert(0, os.path.join(REPO, "examples", "01_two_engines"))
+    from tiny_model import make_tiny_llama
+
+    return make_tiny_llama(
+        path,
+        layers=32,
+        hidden=1024,
+        heads=8,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=2048,
+        dtype="bfloat16",
+        max_positions=8192,
+    )
+
+
+def engine_env(kvcached: bool, gpu: str | None = None) -> dict[str, str]:
+    env = dict(os.environ, KVCACHED_ENABLE="1" if kvcached else "0", PYTHONUNBUFFERED="1")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return env
+
+
+def write(out: str, name: str, data: dict) -> None:
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    log(f"wrote {name}.json")
+
+
+# -- offline ---------------------------------------------------------------------------------------------
+
+
+def wait_for_empty_gpus(timeout: float = 180) -> float:
+    """Wait until the GPUs this run uses hold under 2 GiB: an engine that has just exited may still be
+    handing its memory back, and the next one would see it as taken. Returns the seconds waited."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", visible],
+                             capture_output=True, text=True)
+        used = [int(x) for x in out.stdout.split()] if out.returncode == 0 else []
+        if used and max(used) < 2048:
+            break
+        time.sleep(1)
+    return time.monotonic() - started
+
+
+def run_offline_engine(model: str, kvcached: bool, extra: list[str], logfile: str, gpu: str | None) -> dict:
+    wait_for_empty_gpus()
+    cmd = [sys.executable, os.path.join(HERE, "offline_engine.py"), model, *extra]
+    with open(logfile, "a") as f:
+        f.write(f"\n=== kvcached={kvcached} {' '.join(extra)}\n")
+        f.flush()
+        proc = subprocess.run(
+            cmd,
+            env=engine_env(kvcached, gpu),
+            stdout=subprocess.PIPE,
+            stderr=f,
+            text=True,
+            cwd=tempfile.gettempdir(),
+            timeout=900,
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}", "stdout_tail": proc.stdout[-2000:]}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
+    logfile = os.path.join(args.out, f"offline_tp{tp}.log")
+    extra_tp = ["--tp", str(tp)] if tp > 1 else []
+    runs: dict[str, dict] = {}
+    # (label, flags, prompts in the timed batch): a second timed pair alternates the sides again.
+    plan = [("pc-off", [], 1024), ("pc-on", ["--prefix-caching"], 0), ("pc-off-2", [], 1024)]
+    if tp > 1:
+        plan = [("pc-off", [], 0), ("pc-on", ["--prefix-caching"], 0)]
+    for label, flags, thru in plan:
+        for side in ("vanilla", "kvcached"):
+            extra = [*flags, *extra_tp, "--throughput-prompts", str(thru)]
+            log(f"offline tp={tp} {label} {side}")
+            runs[f"{label}/{side}"] = run_offline_engine(args.model, side == "kvcached", extra, logfile, args.gpu)
+    result: dict = {"tp": tp, "identity": {}, "throughput": {}, "startup_s": {}}
+    for label, _, thru in plan:
+        van, kvc = runs[f"{label}/vanilla"], runs[f"{label}/kvcached"]
+        if "error" in van or "error" in kvc:
+            result["identity"][label] = {"error": van.get("error") or kvc.get("error"), "runs": [van, kvc]}
+            continue
+        same = sum(a == b for a, b in zip(van["tokens"], kvc["tokens"], strict=True))
+        result["identity"][label] = {
+            "prompts": len(van["tokens"]),
+            "identical": same,
+            "tokens_each": len(van["tokens"][0]),
+        }
+        result["startup_s"][label] = {"vanilla": van["startup_s"], "kvcached": kvc["startup_s"]}
+        result.setdefault("kvcached_pools", kvc["pools"])
+        if thru:
+            result["throughput"][label] = {
+                "vanilla": van["throughput"],
+                "kvcached": kvc["throughput"],
+                "ratio_output_tokens": kvc["throughput"]["output_tokens_per_s"]
+                / van["throughput"]["output_tokens_per_s"],
+            }
+    ratios = [t["ratio_output_tokens"] for t in result["throughput"].values()]
+    if ratios:
+        result["throughput_ratio_mean"] = statistics.mean(ratios)
+    return result
+
+
+# -- servers and the open-loop client -------------------------------------------------------------------
+
+
+class Server:
+    """One ``vllm serve`` (the OpenAI server module) in its own process group."""
+
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        model: str,
+        kvcached: bool,
+        out: str,
+        extra: list[str],
+        gpu: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name, self.port = name, port
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            name,
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--seed",
+            "0",
+            "--max-model-len",
+            "4096",
+            *extra,
+        ]
+        self.logpath = os.path.join(out, f"server-{name}-{int(time.time())}.log")
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**engine_env(kvcached, gpu), **(env or {})},
+            stdout=open(self.logpath, "w"),
+            stderr=subprocess.STDOUT,
+            cwd=tempfile.gettempdir(),
+            start_new_session=True,
+        )
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float = 420) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
+                    return time.monotonic() - self.started
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        with open(self.logpath) as f:
+            return f.read()[-3000:]
+
+    def tail_lines(self) -> list[str]:
+        with open(self.logpath) as f:
+            return f.read().splitlines()
+
+    def metric(self, name: str) -> float | None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name) and not line.startswith("#"):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def one_request(session, port: int, name: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {
+        "model": name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = last = None
+    tokens = 0
+    try:
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return {"ok": False, "error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"ok": False, "error": str(chunk["error"].get("message", chunk["error"]))[:200]}
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    first = first or now
+                    last = now
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except Exception as exc:  # a failed request is a result to count, not a crash of the client
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    if first is None or tokens < max_tokens:
+        return {"ok": False, "error": f"{tokens} of {max_tokens} tokens"}
+    return {"ok": True, "ttft": first - sent, "tpot": (last - first) / max(1, tokens - 1), "end": time.perf_counter()}
+
+
+async def open_loop(port: int, name: str, prompts: list[list[int]], rate: float, max_tokens: int) -> dict:
+    """Poisson arrivals at ``rate`` requests/s (inf: all at once), every request streamed."""
+    import aiohttp
+
+    rng = random.Random(7)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        begin = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one_request(session, port, name, prompt, max_tokens)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    ok = [r for r in results if r["ok"]]
+    elapsed = max((r["end"] for r in ok), default=begin) - begin
+
+    def pct(values: list[float], q: float) -> float | None:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
+
+    ttft, tpot = [r["ttft"] for r in ok], [r["tpot"] for r in ok]
+    return {
+        "rate": rate if rate != float("inf") else "inf",
+        "requests": len(prompts),
+        "ok": len(ok),
+        "failed": len(prompts) - len(ok),
+        "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
+        "request_throughput": len(ok) / elapsed if elapsed > 0 else None,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct(tpot, 50),
+        "tpot_p99": pct(tpot, 99),
+    }
+
+
+VOCAB = 256  # the model's vocabulary size, read in main()
+
+
+def token_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """Random token-id prompts (the model is random: the ids are what matters, not the text)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(n)]
+
+
+def phase_serve(args: argparse.Namespace) -> dict:
+    rates = [(16.0, 240), (64.0, 480), (float("inf"), 480)]
+    result: dict = {"input_len": 512, "output_len": 128, "rates": {}}
+    for side in ("vanilla", "kvcached"):
+        wait_for_empty_gpus()
+        server = Server(f"serve-{side}", 8100, args.model, side == "kvcached", args.out, [], args.gpu)
+        try:
+            result[f"startup_s_{side}"] = server.wait_ready()
+            log(f"serve {side} up")
+            asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
+            for rate, n in rates:
+                key = "inf" if rate == float("inf") else str(int(rate))
+                log(f"serve {side} rate {key}")
+                stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, 2), rate, 128))
+                result["rates"].setdefault(key, {})[side] = stats
+        except RuntimeError as exc:
+            result[f"error_{side}"] = str(exc)
+        finally:
+            server.stop()
+    for sides in result["rates"].values():
+        if "vanilla" in sides and "kvcached" in sides:
+            v, k = sides["vanilla"], sides["kvcached"]
+            sides["ratio"] = {
+                m: (k[m] / v[m] if v.get(m) and k.get(m) else None)
+                for m in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
+            }
+    return result
+
+
+# -- sharing one GPU -------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Every engine's mapped KV memory (from kvcached's control segments, as kvctl reads them), every 50 ms."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.samples, self._stop = names, [], threading.Event()
+        self.t0 = time.monotonic()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from kvcached_core import load_settings, segment
+
+        directory = segment.segment_dir(load_settings())
+        while not self._stop.is_set():
+            rows = segment.rows(segment.scan(directory).live)
+            mapped = {n: sum(r["mapped_bytes"] for r in rows if r["name"] == n) for n in self.names}
+            self.samples.append({"t": time.monotonic() - self.t0, **mapped})
+            time.sleep(0.05)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self.thread.join()
+        return self.samples
+
+
+def pools_of(name: str) -> list[dict]:
+    from kvcached_core import load_settings, segment
+
+    return [r for r in segment.rows(segment.scan(segment.segment_dir(load_settings())).live) if r["name"] == name]
+
+
+def phase_share(args: argparse.Namespace, count: int) -> dict:
+    """Bursts of 256 requests (2048 prompt + 1024 generated tokens: up to 96 GiB of KV) to each engine in
+    turn. Idle engines keep up to 48 GiB of cached prefixes (KVCACHED_PREFIX_CACHE_BYTES, as vLLM without
+    kvcached would keep all), so the busy engine runs short unless they give them back (the pressure policy)."""
+    names = [f"engine-{chr(65 + i)}" for i in range(count)]
+    util = {2: "0.85", 3: "0.8"}[count]
+    extra = ["--gpu-memory-utilization", util, "--max-num-seqs", "256"]
+    env = {"KVCACHED_PREFIX_CACHE_BYTES": "48G"}
+    wait_for_empty_gpus()
+    servers = [Server(n, 8200 + i, args.model, True, args.out, extra, args.gpu, env) for i, n in enumerate(names)]
+    result: dict = {"engines": names, "gpu_memory_utilization": float(util), "bursts": [], "gpu_bytes": TOTAL}
+    try:
+        result["startup_s"] = {s.name: s.wait_ready() for s in servers}  # started at the same moment
+        result["virtual_kv_bytes"] = {n: sum(p["virtual_bytes"] for p in pools_of(n)) for n in names}
+        log(f"share x{count}: all up {result['startup_s']}")
+        sampler = Sampler(names)
+        order = names + ([names[0]] if count == 2 else [])
+        for i, name in enumerate(order):
+            server = servers[names.index(name)]
+            start = sampler.now()
+            stats = asyncio.run(open_loop(server.port, name, token_prompts(256, 2048, 10 + i), float("inf"), 1024))
+            end = sampler.now()
+            window = [s for s in sampler.samples if start <= s["t"] <= end]
+            result["bursts"].append(
+                {
+                    "engine": name,
+                    "start": start,
+                    "end": end,
+                    "peak_bytes": max((s[name] for s in window), default=0),
+                    "others_at_start": {n: window[0][n] for n in names if n != name} if window else {},
+                    "requests": stats["requests"],
+                    "failed": stats["failed"],
+                    "errors": stats["errors"],
+                }
+            )
+            log(
+                f"share x{count}: burst {name} peak {result['bursts'][-1]['peak_bytes'] / GiB:.1f} GiB, "
+                f"failed {stats['failed']}"
+            )
+            time.sleep(1)
+        time.sleep(2)
+        samples = sampler.stop()
+        result["preemptions"] = {s.name: s.metric("vllm:num_preemptions") for s in servers}
+        result["samples"] = samples
+        first_peak = result["bursts"][0]["peak_bytes"] or 1
+        for burst in result["bursts"]:
+            burst["peak_vs_first_burst"] = burst["peak_bytes"] / first_peak
+        pairs = zip(result["bursts"], result["bursts"][1:], strict=False)
+        result["handover"] = [handover(samples, prev, nxt) for prev, nxt in pairs]
+        result["sum_of_peaks_over_gpu"] = sum(b["peak_bytes"] for b in result["bursts"][:count]) / TOTAL
+        result["gave_back_log"] = [line for s in servers for line in s.tail_lines() if "gave back" in line]
+        plot(samples, names, result["bursts"], os.path.join(args.out, f"share_x{count}.png"))
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    finally:
+        for s in servers:
+            s.stop()
+    return result
+
+
+def handover(samples: list[dict], prev: dict, nxt: dict) -> dict:
+    """``release_s``: from ``prev``'s burst ending until its mapped memory is back under 1 GiB above where it
+    started; ``takeover_s``: from ``nxt``'s burst starting until it holds memory that ``prev`` held at its
+    peak (more than the GPU less that peak)."""
+    base = samples[0][prev["engine"]] if samples else 0
+    released = next((s["t"] for s in samples if s["t"] >= prev["end"] and s[prev["engine"]] <= base + GiB), None)
+    took = next(
+        (s["t"] for s in samples if s["t"] >= nxt["start"] and s[nxt["engine"]] > TOTAL - prev["peak_bytes"]), None
+    )
+    return {
+        "from": prev["engine"],
+        "to": nxt["engine"],
+        "release_s": released - prev["end"] if released is not None else None,
+        "takeover_s": took - nxt["start"] if took is not None else None,
+    }
+
+
+TOTAL = 0  # bytes of the GPU the engines run on, set in main()
+
+
+def gpu_bytes(index: str) -> int:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", index],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.split()[0]) << 20
+
+
+def plot(samples: list[dict], names: list[str], bursts: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    t = [s["t"] for s in samples]
+    for name in names:
+        ax.plot(t, [s[name] / GiB for s in samples], label=name)
+    ax.plot(t, [sum(s[n] for n in names) / GiB for s in samples], "k--", lw=0.8, label="sum")
+    ax.axhline(TOTAL / GiB, color="grey", lw=0.8, label="GPU memory")
+    for b in bursts:
+        ax.axvspan(b["start"], b["end"], alpha=0.08)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("mapped KV (GiB)")
+    ax.set_title(f"{len(names)} vLLM engines on one H200, bursts in turn (kvcached)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def phase_limit(args: argparse.Namespace) -> dict:
+    name = "limited"
+    wait_for_empty_gpus()
+    server = Server(name, 8300, args.model, True, args.out, ["--max-num-seqs", "256"], args.gpu)
+    result: dict = {}
+    try:
+        result["startup_s"] = server.wait_ready()
+        sampler = Sampler([name])
+        cap = 8 * GiB
+        task_result: dict = {}
+
+        def load() -> None:
+            task_result.update(asyncio.run(open_loop(8300, name, token_prompts(256, 2048, 3), float("inf"), 512)))
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        time.sleep(4)  # the burst is growing
+        before = sampler.samples[-1][name]
+        rc = subprocess.run(
+            [sys.executable, "-m", "kvcached_core.kvctl", "limit", name, str(cap)], capture_output=True, text=True
+        )
+        set_at = sampler.now()
+        thread.join()
+        samples = sampler.stop()
+        settled = [s[name] for s in samples if s["t"] > set_at + 2.0]
+        result.update(
+            {
+                "limit_bytes": cap,
+                "kvctl_rc": rc.returncode,
+                "kvctl_out": rc.stdout.strip() + rc.stderr.strip(),
+                "mapped_when_set": before,
+                "max_mapped_2s_after": max(settled, default=None),
+                "requests": task_result.get("requests"),
+                "failed": task_result.get("failed"),
+                "errors": task_result.get("errors"),
+                "preemptions": server.metric("vllm:num_preemptions"),
+                "samples": samples[::4],
+            }
+        )
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    finally:
+        server.stop()
+    return result
+
+
+PROBE = """
+import json, os, torch
+from vllm.plugins import load_general_plugins
+plain = torch.accelerator.get_memory_info(0)
+load_general_plugins()
+from vllm.utils.mem_utils import MemorySnapshot
+snap = MemorySnapshot(device=torch.device("cuda:0"))
+print("RESULT " + json.dumps({"kvcached": os.environ["KVCACHED_ENABLE"], "plain_free_total": plain,
+                              "props_total": torch.cuda.get_device_properties(0).total_memory,
+                              "snapshot_free": snap.free_memory, "snapshot_total": snap.total_memory}))
+"""
+
+
+def phase_probe(args: argparse.Namespace) -> dict:
+    """What vLLM's memory snapshot reads with the plugin on and off, next to torch's own reading."""
+    result = {}
+    for side in (False, True):
+        proc = subprocess.run([sys.executable, "-c", PROBE], env=engine_env(side, args.gpu), capture_output=True,
+                              text=True, cwd=tempfile.gettempdir(), timeout=300)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        result["kvcached" if side else "vanilla"] = json.loads(lines[-1][7:]) if lines else proc.stderr[-2000:]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    phases = ["model", "probe", "offline", "serve", "share", "share3", "limit", "tp"]
+    parser.add_argument("phases", nargs="+", choices=phases)
+    parser.add_argument("--out", required=True, help="folder for JSON, logs and PNGs")
+    parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
+    parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers (finally)
+    args.model = args.model or make_model(os.path.join(tempfile.gettempdir(), "kvcached-llama3-8b-kv"))
+    global TOTAL, VOCAB
+    with open(os.path.join(args.model, "config.json")) as f:
+        VOCAB = json.load(f)["vocab_size"]
+    TOTAL = gpu_bytes((args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+    for phase in args.phases:
+        log(f"== {phase}")
+        try:
+            if phase == "model":
+                continue  # made above
+            if phase == "probe":
+                write(args.out, "probe", phase_probe(args))
+            elif phase == "offline":
+                write(args.out, "offline", phase_offline(args))
+            elif phase == "tp":
+                write(args.out, "tp2", phase_offline(args, tp=2))
+            elif phase == "serve":
+                write(args.out, "serve", phase_serve(args))
+            elif phase == "share":
+                write(args.out, "share_x2", phase_share(args, 2))
+            elif phase == "share3":
+                write(args.out, "share_x3", phase_share(args, 3))
+            elif phase == "limit":
+                write(args.out, "limit", phase_limit(args))
+        except Exception as exc:  # one phase failing must not lose the others' results
+            log(f"{phase} failed: {type(exc).__name__}: {exc}")
+            write(args.out, f"{phase}_error", {"error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Every number of a GPU run, without raw token lists and samples: reads the phases' JSON in a folder, prints
+one JSON object (to stdout) and a short table (to stderr).
+
+    python summary.py WORK_DIR > summary.json
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+BULKY = {"tokens", "samples", "stdout_tail", "runs"}
+
+
+def strip(value):
+    if isinstance(value, dict):
+        return {k: strip(v) for k, v in value.items() if k not in BULKY}
+    if isinstance(value, list):
+        return [strip(v) for v in value]
+    return value
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not os.path.isdir(argv[0]):
+        print("usage: summary.py WORK_DIR (a folder with the phases' JSON)", file=sys.stderr)
+        return 2
+    summary = {}
+    for path in sorted(glob.glob(os.path.join(argv[0], "*.json"))):
+        with open(path) as f:
+            summary[os.path.basename(path)[:-5]] = strip(json.load(f))
+    machine = os.path.join(argv[0], "machine.txt")
+    if os.path.exists(machine):
+        summary["machine"] = open(machine).read().strip().splitlines()
+    print(json.dumps(summary, indent=1))
+    for name, phase in summary.items():
+        if isinstance(phase, dict):
+            brief = {
+                k: v
+                for k, v in phase.items()
+                if k
+                in (
+                    "identity",
+                    "throughput_ratio_mean",
+                    "error",
+                    "handover",
+                    "sum_of_peaks_over_gpu",
+                    "max_mapped_2s_after",
+                    "failed",
+                )
+            }
+            print(f"{name}: {json.dumps(brief)[:600]}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

