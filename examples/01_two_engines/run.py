@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,12 @@ def mapped(names: tuple[str, ...]) -> dict[str, int]:
     return {n: sum(r["mapped_bytes"] for r in rows if r["name"] == n) for n in names}
 
 
+def gave_back(log: str) -> int:
+    """Cached prefix blocks an engine gave back under pressure, from its log."""
+    with open(log, errors="replace") as f:
+        return sum(int(m.group(1)) for m in re.finditer(r"gave back (\d+) cached prefix blocks", f.read()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: a tiny random Llama made here)")
@@ -105,6 +112,12 @@ def main() -> int:
     parser.add_argument("--kv", default="96M", help="virtual KV capacity of each engine, default 96M")
     parser.add_argument("--requests", type=int, default=32, help="requests per burst")
     parser.add_argument("--prompt-words", type=int, default=1200)
+    parser.add_argument(
+        "--prefix-cache",
+        default="64M",
+        help="cached prefixes an idle engine keeps (KVCACHED_PREFIX_CACHE_BYTES), default 64M: more than the "
+        "busy engine can spare, so it gets them back only through the pressure policy",
+    )
     parser.add_argument("--plot", help="write a PNG of both engines' mapped memory over time")
     parser.add_argument("--startup-timeout", type=float, default=300)
     args = parser.parse_args()
@@ -119,7 +132,7 @@ def main() -> int:
         os.environ,
         KVCACHED_RUNTIME_DIR=os.path.join(work, "runtime"),
         KVCACHED_HOST_DEVICE_BYTES=str(budget),
-        KVCACHED_PREFIX_CACHE_BYTES="0",
+        KVCACHED_PREFIX_CACHE_BYTES=str(parse_size(args.prefix_cache)),
         VLLM_CPU_OMP_THREADS_BIND="nobind",
     )
     os.environ["KVCACHED_RUNTIME_DIR"] = env["KVCACHED_RUNTIME_DIR"]
@@ -166,6 +179,11 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
 
+    given = {n: gave_back(os.path.join(work, f"{n}.log")) for n in names}
+    print(
+        "pressure: cached prefix blocks given back to the busy engine: "
+        + ", ".join(f"{n} {given[n]}" for n in names)
+    )
     peak = {n: max(s[n] for s in samples) for n in names}
     most = max(s[names[0]] + s[names[1]] for s in samples)
     for name, start, end in phases:

@@ -46,3 +46,38 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> dict:
     result = json.loads(results[-1])
     result["log"] = out
     return result
+
+
+BLOCKS_PER_PAGE = 32  # the elastic pools below: 4 buffers of 64 KiB blocks, 2 MiB pages
+
+
+def elastic_pool(name: str, num_blocks: int = 321, enable_caching: bool = True):
+    """vLLM's own ``BlockPool`` as the plugin replaces it, over a real planner (host backend) of 4 buffers of
+    64 KiB blocks; returns (pool, planner). Close with ``kvcached_vllm.runtime.close_all()``."""
+    from vllm.v1.core import kv_cache_coordinator
+
+    from kvcached_core import KVCacheManager
+    from kvcached_vllm import runtime
+
+    planner = KVCacheManager(
+        num_blocks=num_blocks,
+        block_bytes=64 << 10,
+        num_layers=4,
+        num_kv_buffers=1,
+        reserve_null_block=True,
+        reserved_pages=0,
+        mapped_by_workers=True,
+        name=name,
+        engine="vllm",
+    )
+    runtime.add_planner(num_blocks, planner)
+    pool = kv_cache_coordinator.BlockPool(num_blocks, enable_caching=enable_caching, hash_block_size=16)
+    return pool, planner
+
+
+def mark_cached(pool, blocks) -> None:
+    """What vLLM's ``cache_full_blocks`` does for blocks that filled up: give each a prefix hash."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    for b in blocks:
+        pool._insert_block_hash(make_block_hash_with_group_id(b.block_id.to_bytes(32, "big"), 0), b, 16)

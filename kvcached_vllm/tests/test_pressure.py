@@ -25,32 +25,16 @@ def cached_pool(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("KVCACHED_PREFIX_CACHE_FLOOR_BYTES", str(32 * PER_BLOCK))
     monkeypatch.setenv("KVCACHED_WATCH_INTERVAL_MS", "5")
+    from conftest import elastic_pool, mark_cached
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()
-    from vllm.v1.core import kv_cache_coordinator
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-    from kvcached_core import KVCacheManager
     from kvcached_vllm import runtime
 
+    load_general_plugins()
     runtime.close_all()  # no state of an earlier test in this process
-    planner = KVCacheManager(
-        num_blocks=321,
-        block_bytes=64 << 10,
-        num_layers=4,
-        num_kv_buffers=1,
-        reserve_null_block=True,
-        reserved_pages=0,
-        mapped_by_workers=True,
-        name="pressured",
-        engine="vllm",
-    )
-    runtime.add_planner(321, planner)
-    pool = kv_cache_coordinator.BlockPool(321, enable_caching=True, hash_block_size=16)
+    pool, planner = elastic_pool("pressured")
     blocks = pool.get_new_blocks(31 + 32 + 32)
-    for b in blocks:  # what cache_full_blocks does for a block that filled up
-        pool._insert_block_hash(make_block_hash_with_group_id(b.block_id.to_bytes(32, "big"), 0), b, 16)
+    mark_cached(pool, blocks)
     pool.free_blocks(blocks)  # the default budget (512 MiB) keeps them all cached
     assert pool.cached_free_blocks == 95
     yield pool, planner, runtime

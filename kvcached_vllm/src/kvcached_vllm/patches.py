@@ -1,8 +1,9 @@
 """Every vLLM symbol the plugin touches, as named patch units, each for the vLLM releases it applies to.
 
 Where a release changed a symbol, there is one unit per range (``releases``), and the plugin installs the
-units of the installed release only: 0.26-0.28 allocate one KV buffer per tensor (``*-per-tensor`` units),
-0.29 on one flat buffer; 0.30 added block reuse watchers; 0.33 moved ``get_kv_cache_configs``.
+units of the installed release only: 0.26-0.28 allocate one KV buffer per tensor, 0.29 on one flat buffer;
+0.30 added block reuse watchers; 0.33 moved ``get_kv_cache_configs``. Units for one engine build only
+(``builds``) are left out of the others.
 
 Importing this module imports vLLM's block pool (the elastic pools subclass it); the other targets are
 imported when the patches are installed.
