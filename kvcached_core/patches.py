@@ -182,7 +182,10 @@ def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: S
 def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) -> list[dict[str, str]]:
     """One row per symbol the plugin touches: target, patch name, kind, and ``ok`` or the error."""
     patches = list(patches)
-    rows = [{"target": p.target, "patch": p.name, "kind": p.kind, "why": p.why} for p in patches]
+    rows = [
+        {"target": p.target, "patch": p.name, "kind": p.kind, "why": p.why, "releases": str(p.releases)}
+        for p in patches
+    ]
     rows += [
         {"target": f"{m}.{p.target.rpartition('.')[2]}", "patch": p.name, "kind": "alias", "why": "imported by name"}
         for p in patches

@@ -1,0 +1,70 @@
+"""The release ranges and engine builds that pick a plugin's patch units (kvcached_core.patches), with no
+engine installed: the selection is pure, and `load_checked` must refuse loudly what it cannot patch."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached_core.patches import (
+    EngineSupport,
+    Patch,
+    PluginLoadError,
+    Releases,
+    Uses,
+    _for_version,
+    for_release,
+    load_checked,
+)
+
+
+def test_a_range_includes_since_and_excludes_until():
+    r = Releases("0.26", "0.29")
+    assert "0.26.0" in r and "0.28.9" in r and "0.26.0rc1" in r and "0.28" in r
+    assert "0.25.1" not in r and "0.29.0" not in r and "0.29.0rc1" not in r
+    assert "1.0" in Releases("0.30") and "0.1" in Releases(until="0.2") and "9" in Releases()
+    assert str(r) == "0.26 to before 0.29" and str(Releases("0.30")) == "0.30 on" and str(Releases()) == "all"
+
+
+def unit(name: str, releases: Releases, builds: tuple[str, ...] = ()) -> Patch:
+    return Patch(name, f"json.{name}", "around", None, "test", releases=releases, builds=builds)
+
+
+def test_each_release_and_build_gets_its_own_units():
+    units = [
+        unit("old", Releases("0.26", "0.29")),
+        unit("new", Releases("0.29")),
+        unit("cpu-only", Releases("0.26"), builds=("engine-cpu",)),
+    ]
+    assert [u.name for u in for_release(units, "0.27.1", "engine")] == ["old"]
+    assert [u.name for u in for_release(units, "0.30.0", "engine-cpu")] == ["new", "cpu-only"]
+    assert [u.name for u in for_release(units, "0.25.0", "engine")] == []
+
+
+def test_read_symbols_follow_the_release_and_plain_paths_always_apply():
+    def source():
+        used = ["json.dumps", Uses("json.loads", Releases("0.30")), Uses("json.JSONDecoder", Releases("0.26", "0.30"))]
+        return [], used
+
+    assert _for_version(source, "0.28.0", None)[1] == ["json.dumps", "json.JSONDecoder"]
+    assert _for_version(source, "0.31.0", None)[1] == ["json.dumps", "json.loads"]
+
+
+def test_load_checked_names_every_missing_symbol_of_the_installed_release(monkeypatch):
+    """`pytest` stands in for an engine: its installed version picks the units; the one missing symbol of
+    that release is named, the units of other releases are not looked at."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("pytest")
+    support = EngineSupport(engine="pytest", distributions=("pytest",), supported=(version.split(".")[0],))
+
+    def source():
+        here = Releases(version)
+        elsewhere = Releases("0", "0.1")
+        patches = [unit("dumps", here), unit("no_such_symbol", here), unit("also_missing", elsewhere)]
+        return patches, []
+
+    with pytest.raises(PluginLoadError) as err:
+        load_checked(support, source)
+    assert "json.no_such_symbol" in str(err.value) and "also_missing" not in str(err.value)
+    with pytest.raises(PluginLoadError, match="is not supported"):
+        load_checked(EngineSupport(engine="pytest", distributions=("pytest",), supported=("0.0",)), source)
