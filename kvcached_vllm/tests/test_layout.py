@@ -157,3 +157,52 @@ def test_per_tensor_layouts_kvcached_does_not_serve_keep_vllms_buffers():
     mixed = [KVCacheTensor(size=N * PAGE, shared_by=["l0"]), KVCacheTensor(size=2 * N * PAGE, shared_by=["l1"])]
     config = KVCacheConfig(num_blocks=N, kv_cache_tensors=mixed, kv_cache_groups=[])
     assert per_tensor_geometry(config, 2 << 20)[0] is None
+
+
+def warm_up_stand_in(model_runner, worker_execute_model, worker_sample_tokens):
+    """What vLLM's V2 warm-up (``v1/worker/gpu/warmup.py``, which needs a GPU) does with KV blocks: requests on
+    ids it picks itself, 1, 2, ... in order, handed to the worker in vLLM's own SchedulerOutput."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    prefill = SchedulerOutput.make_empty()
+    prefill.scheduled_new_reqs = [SimpleNamespace(block_ids=(list(range(1 + 3 * i, 4 + 3 * i)),)) for i in range(100)]
+    worker_execute_model(prefill)
+    worker_sample_tokens(None)
+    decode = SchedulerOutput.make_empty()
+    decode.scheduled_cached_reqs.new_block_ids = [([301 + i],) for i in range(8)] + [None]
+    worker_execute_model(decode)
+
+
+def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeypatch):
+    """On the direct path the blocks vLLM's warm-up picks itself are held (mapped) while it runs: the stand-in
+    writes every block it names into kvcached's host memory, where an unmapped page would fault the test
+    process; afterwards they are free again. Blocks the warm-up needs but cannot get are a clear error."""
+    from kvcached_core import KVCacheManager
+    from kvcached_vllm import runtime
+    from kvcached_vllm.worker import WarmupBlocks, warm_up_on_held_blocks
+
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    blocks = 1024  # of 8 KiB: 256 to a 2 MiB page
+    planner = KVCacheManager(blocks, PAGE, 1, 1, reserve_null_block=True, reserved_pages=0, name="warm-up")
+    runtime.add_planner(blocks, planner)
+    runner = SimpleNamespace(kv_cache_config=SimpleNamespace(kvcached={"direct": True}, num_blocks=blocks))
+    memory = planner.buffer(0)
+    written: list[int] = []
+
+    def execute(scheduler_output):
+        for block in WarmupBlocks.block_ids(scheduler_output):
+            memory[block * PAGE : (block + 1) * PAGE].fill_(block % 251)
+            written.append(block)
+
+    try:
+        warm_up_on_held_blocks(warm_up_stand_in, runner, execute, lambda grammar: None)
+        # Blocks 256 to 308 lie on page 1, which is mapped only because the warm-up's blocks are held.
+        assert sorted(written) == list(range(1, 309))
+        assert planner.snapshot()["allocated_blocks"] == 0  # given back after the warm-up
+        taken = planner.alloc(1)  # a block in use: the warm-up's ids are no longer the ones kvcached hands out
+        with pytest.raises(RuntimeError, match="warm-up uses KV blocks 1 to 300, which kvcached cannot map now"):
+            warm_up_on_held_blocks(warm_up_stand_in, runner, execute, lambda grammar: None)
+        assert planner.snapshot()["allocated_blocks"] == 1  # nothing held behind
+        planner.free(taken)
+    finally:
+        runtime.close_all()

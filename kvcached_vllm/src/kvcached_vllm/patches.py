@@ -31,6 +31,7 @@ from .worker import (
     sync_before_step,
     virtual_cpu_kv_memory,
     virtual_cpu_kv_memory_always_warm,
+    warm_up_on_held_blocks,
 )
 
 ALL = Releases("0.26", "0.34")
@@ -137,6 +138,15 @@ PATCHES: tuple[Patch, ...] = (
         "around",
         measure_with_elastic_peers,
         "GPU start-up check and profiling: memory other kvcached engines hold counts as free",
+        releases=ALL,
+    ),
+    Patch(
+        "warm-up-blocks",
+        "vllm.v1.worker.gpu.warmup.warmup_kernels",
+        "around",
+        warm_up_on_held_blocks,
+        "the blocks vLLM's warm-up picks itself are mapped while it runs",
+        aliases=("vllm.v1.worker.gpu_worker",),
         releases=ALL,
     ),
     Patch(

@@ -222,3 +222,67 @@ def startup_ends(original: Callable[..., Any], worker: Any, *args: Any, **kwargs
         lock = getattr(worker, "_kvcached_startup_lock", None)
         if lock is not None:
             lock.release()
+
+
+class WarmupBlocks:
+    """The KV blocks vLLM's warm-up uses, held in kvcached while it runs so that their pages are mapped.
+
+    vLLM's V2 model runner warms up with requests it makes itself, on block ids it picks itself (1, 2, ...
+    in order, ``v1/worker/gpu/warmup.py``), outside the scheduler's block pool. At start-up nothing else
+    holds blocks, so kvcached hands out exactly those ids, lowest first; anything else is refused loudly.
+    """
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+        self.held: list[int] = []
+
+    @staticmethod
+    def block_ids(scheduler_output: Any) -> list[int]:
+        """Every block id a ``SchedulerOutput`` hands to the model runner."""
+        groups = [req.block_ids for req in scheduler_output.scheduled_new_reqs]
+        groups += [ids for ids in scheduler_output.scheduled_cached_reqs.new_block_ids if ids]
+        return [block for group in groups for ids in group for block in ids]
+
+    def cover(self, scheduler_output: Any) -> None:
+        """Hold blocks 1..N, N the highest id ``scheduler_output`` uses."""
+        top = max(self.block_ids(scheduler_output), default=0)
+        if top <= len(self.held):
+            return
+        wanted = list(range(len(self.held) + 1, top + 1))
+        got = self.memory.alloc(len(wanted))
+        if got != wanted:
+            if got:
+                self.memory.free(got)
+            raise RuntimeError(
+                f"kvcached: vLLM's warm-up uses KV blocks 1 to {top}, which kvcached cannot map now "
+                f"({'no memory left' if got is None else 'other blocks are in use'}); lower "
+                "--max-num-seqs or free device memory, or set KVCACHED_ENABLE=0"
+            )
+        self.held += got
+
+    def release(self) -> None:
+        if self.held:
+            self.memory.free(self.held)
+            self.held = []
+
+
+def warm_up_on_held_blocks(original: Callable[..., Any], model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``vllm.v1.worker.gpu.warmup.warmup_kernels`` (and its by-name import in ``gpu_worker``): hold the
+    blocks the warm-up picks itself while it runs (:class:`WarmupBlocks`), on the direct path. (With workers
+    in their own processes, TP > 1, the planner is elsewhere: not covered yet.)"""
+    info = getattr(model_runner.kv_cache_config, "kvcached", None)
+    if info is None or not info["direct"]:
+        return original(model_runner, *args, **kwargs)
+    blocks = WarmupBlocks(runtime.planner_for(model_runner.kv_cache_config.num_blocks))
+    execute = kwargs.pop("worker_execute_model", None)
+    if execute is None:
+        execute, args = args[0], args[1:]
+
+    def execute_on_held_blocks(scheduler_output: Any, *a: Any, **k: Any) -> Any:
+        blocks.cover(scheduler_output)
+        return execute(scheduler_output, *a, **k)
+
+    try:
+        return original(model_runner, execute_on_held_blocks, *args, **kwargs)
+    finally:
+        blocks.release()
