@@ -117,3 +117,40 @@ def test_a_foreign_or_corrupt_pressure_record_is_ignored_and_left_alone(settings
     with caplog.at_level("WARNING", logger="kvcached"):
         assert other.read() is None
     assert "is not a pressure record of this user" in caplog.text
+
+
+def test_memory_other_processes_hold_counts_mapped_pages_and_ready_handles(settings, tmp_path):
+    """What a plugin counts as free at its engine's start-up: another process's mapped pages and the physical
+    handles its pool keeps ready (both are memory that comes back when that engine idles), on this device
+    label only, never this process's own."""
+    from kvcached_core import KVCacheManager
+    from kvcached_core.segment import held_by_other_processes
+
+    code = textwrap.dedent(
+        """
+        import sys, time, kvcached_core as kc
+        m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1,
+                              reserved_pages=0, pool_target=3, name="holder")
+        assert m.alloc(10) is not None
+        while m.snapshot()["pool_ready_handles"] < 3:
+            time.sleep(0.01)
+        m._control.publish()
+        print("ready", m.snapshot()["mapped_bytes"], m.page_bytes, flush=True)
+        sys.stdin.readline()
+        """
+    )
+    env = dict(os.environ, KVCACHED_RUNTIME_DIR=str(tmp_path))
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ready, mapped, page = child.stdout.readline().split()
+        assert ready == "ready"
+        mine = KVCacheManager(num_blocks=8, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1, name="mine")
+        mine.alloc(4)
+        assert held_by_other_processes(settings, "cpu") == int(mapped) + 3 * int(page)
+        assert held_by_other_processes(settings, "cuda:0") == 0
+        mine.close()
+    finally:
+        child.kill()
+        child.wait()

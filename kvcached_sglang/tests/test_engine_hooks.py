@@ -15,7 +15,7 @@ MiB = 1 << 20
 HOLD_HOST_MEMORY = """
 import sys, kvcached_core as kc
 m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1, device="cpu",
-                      name="peer", engine="sglang", reserved_pages=0)
+                      name="peer", engine="sglang", reserved_pages=0, pool_target=0)
 assert m.alloc(24) is not None
 print("ready", m.snapshot()["mapped_bytes"], flush=True)
 sys.stdin.readline()
