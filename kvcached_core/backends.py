@@ -33,6 +33,12 @@ def parse_device(device: DeviceLike) -> tuple[str, int]:
     raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
 
 
+def device_name(device: DeviceLike) -> str:
+    """The canonical name of a device: ``cpu`` or ``cuda:N`` (``cuda`` alone: torch's current device)."""
+    kind, index = parse_device(device)
+    return "cpu" if kind == "host" else f"cuda:{index}"
+
+
 def host_device_label(device: str) -> str:
     """The label a device (``cpu``, ``cuda:N``) has for every process of the host: what control segments
     and pressure records name. ``cuda:N`` is an index into this process's ``CUDA_VISIBLE_DEVICES``, so two

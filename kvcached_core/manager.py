@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _native, registry, segment
-from .backends import DeviceLike, get_backend, host_device_label, parse_device, planner_backend
+from .backends import DeviceLike, device_name, get_backend, host_device_label, planner_backend
 from .config import Settings, load_settings
 from .tensors import KVTensorViews
 
@@ -86,8 +86,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         self.pool_name = _label("pool_name", pool_name, 31)
         self.engine = _label("engine", engine if engine else _engine_label(), 31)
         self.name = _label("name", name if name else f"{self.engine}-{os.getpid()}", 127)
-        kind, index = parse_device(device)
-        self.device = "cpu" if kind == "host" else f"cuda:{index}"
+        self.device = device_name(device)
         self._control = None
         self._labels = {"pool_name": self.pool_name, "name": self.name, "device": self.device}
         self.num_buffers = self.num_layers * self.num_kv_buffers

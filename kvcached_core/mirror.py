@@ -9,7 +9,7 @@ KV tensors it hands to the model are the mirror's. Nothing crosses processes but
 from __future__ import annotations
 
 from . import _native
-from .backends import DeviceLike, get_backend, parse_device
+from .backends import DeviceLike, device_name, get_backend
 from .config import Settings, load_settings
 from .tensors import KVTensorViews
 
@@ -32,8 +32,7 @@ class PageMirror(_native.PageMirror, KVTensorViews):
         ValueError when the planner's page size does not suit this device.
         """
         s = settings if settings is not None else load_settings()
-        kind, index = parse_device(device)
-        self.device = "cpu" if kind == "host" else f"cuda:{index}"
+        self.device = device_name(device)
         _native.PageMirror.__init__(
             self,
             page_table_path,

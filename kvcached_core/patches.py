@@ -218,9 +218,8 @@ def load_checked(support: EngineSupport, source: PatchSource) -> tuple[str, Sequ
     returns them and the other symbols the plugin uses), keep those for this release, resolve every symbol.
     Returns the version and the patches to install; raises one PluginLoadError naming what is wrong."""
     version = support.check()
-    build = support.installed()[0] if support.installed() else None
     try:
-        patches, used = _for_version(source, version, build)
+        patches, used = _for_version(source, version, support.installed()[0])
     except (ImportError, AttributeError) as exc:  # a module, class or function the plugin builds on is gone
         raise PluginLoadError(f"cannot import what kvcached patches from {support.engine} {version}: {exc}") from None
     verify(patches, support.engine, version, used)

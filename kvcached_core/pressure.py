@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .backends import host_device_label
 from .config import Settings
-from .runtime_dir import ensure_runtime_dir
+from .runtime_dir import runtime_subdir
 
 logger = logging.getLogger("kvcached")
 
@@ -43,8 +43,7 @@ class Shortfall:
 
 def pressure_dir(settings: Settings) -> str:
     """The per-user directory (0700) of device pressure records."""
-    runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
-    return ensure_runtime_dir(os.path.join(runtime, "pressure"))
+    return runtime_subdir(settings, "pressure")
 
 
 class DevicePressure:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 
 def ensure_runtime_dir(path: str) -> str:
@@ -23,3 +27,9 @@ def ensure_runtime_dir(path: str) -> str:
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def runtime_subdir(settings: Settings, name: str) -> str:
+    """The folder ``name`` (0700) of this user's runtime directory, both created and checked on first use."""
+    runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
+    return ensure_runtime_dir(os.path.join(runtime, name))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from . import _native
 from .backends import host_device_label
 from .config import Settings
-from .runtime_dir import ensure_runtime_dir
+from .runtime_dir import runtime_subdir
 
 SUFFIX = ".seg"
 TMP_SUFFIX = ".seg.tmp"
@@ -24,14 +24,12 @@ PAGE_TABLE_SUFFIX = ".pt"
 
 def segment_dir(settings: Settings) -> str:
     """The per-user segment directory (0700), created on first use."""
-    runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
-    return ensure_runtime_dir(os.path.join(runtime, "segments"))
+    return runtime_subdir(settings, "segments")
 
 
 def page_table_dir(settings: Settings) -> str:
     """The per-user directory (0700) of planners' page tables (see kvcached_core.mirror)."""
-    runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
-    return ensure_runtime_dir(os.path.join(runtime, "pagetables"))
+    return runtime_subdir(settings, "pagetables")
 
 
 def collect_page_tables(directory: str) -> list[str]:

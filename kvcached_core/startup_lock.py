@@ -21,7 +21,7 @@ import re
 import time
 
 from .config import Settings
-from .runtime_dir import ensure_runtime_dir
+from .runtime_dir import runtime_subdir
 
 logger = logging.getLogger("kvcached")
 
@@ -30,9 +30,7 @@ class StartupLock:
     """The start-up lock of one device, named by a key that is the same in every process (a GPU's UUID)."""
 
     def __init__(self, settings: Settings, device_key: str, timeout_s: float = 600.0) -> None:
-        runtime = ensure_runtime_dir(settings.resolved_runtime_dir())
-        folder = ensure_runtime_dir(os.path.join(runtime, "startup"))
-        self.path = os.path.join(folder, re.sub(r"[^A-Za-z0-9_.-]", "_", device_key)[:200])
+        self.path = os.path.join(runtime_subdir(settings, "startup"), re.sub(r"[^A-Za-z0-9_.-]", "_", device_key)[:200])
         self.timeout_s = timeout_s
         self._fd: int | None = None
 

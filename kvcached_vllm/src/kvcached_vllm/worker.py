@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvcached_core import PageMirror, load_settings
-from kvcached_core.backends import host_device_label
+from kvcached_core.backends import device_name, host_device_label
 from kvcached_core.segment import held_by_other_processes
 from kvcached_core.startup_lock import StartupLock
 
@@ -25,14 +25,6 @@ from . import runtime
 
 class BackingMismatch(RuntimeError):
     """vLLM allocated its KV backing differently from what the planner was made for."""
-
-
-def device_label(device: torch.device | str) -> str:
-    """kvcached's label for a torch device: ``cpu`` or ``cuda:N``."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-    return "cpu"
 
 
 class _TorchServingBackings:
@@ -85,7 +77,7 @@ def _backings(kv_cache_config: Any, device: torch.device) -> list[torch.Tensor] 
     if info["direct"]:  # the worker runs in EngineCore: the scheduler's manager maps, no mirror
         memory = runtime.planner_for(kv_cache_config.num_blocks)
     else:
-        memory = PageMirror(info["page_table"], device_label(device))
+        memory = PageMirror(info["page_table"], device)
         runtime.add_mirror(memory)
         runtime.sync_mirrors()
     if info["backings"] == 1:
@@ -166,7 +158,7 @@ def measure_with_elastic_peers(original: Callable[..., None], snapshot: Any) -> 
     memory (seen on virtual machines), the GPU's size is used: utilization is a fraction of the GPU.
     """
     settings = load_settings()
-    label = device_label(snapshot.device_)
+    label = device_name(snapshot.device_)
     for _ in range(20):
         before = held_by_other_processes(settings, label)
         original(snapshot)
@@ -195,7 +187,7 @@ def _startup_lock(worker: Any) -> StartupLock:
     if lock is None:
         # The GPU as the host names it, without touching CUDA: vLLM initialises CUDA itself, in its order.
         key = host_device_label(f"cuda:{worker.local_rank or 0}")
-        lock = worker._kvcached_startup_lock = StartupLock(load_settings(), key.replace(":", "-"))
+        lock = worker._kvcached_startup_lock = StartupLock(load_settings(), key)
     return lock
 
 
