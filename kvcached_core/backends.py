@@ -96,10 +96,13 @@ def get_backend(device: DeviceLike, settings: Settings) -> _native.MemoryBackend
         reason = cuda_unavailable_reason()
         if reason:
             raise RuntimeError(f"device {device!r} is not usable: {reason}; use device='cpu' for the host backend")
-        key = ("cuda", index)
+        key = ("cuda", index, settings.backstop)
     with _lock:
         backend = _backends.get(key)
         if backend is None:
-            backend = _native.HostBackend(path, budget) if kind == "host" else _native.CudaBackend(index)
+            if kind == "host":
+                backend = _native.HostBackend(path, budget)
+            else:
+                backend = _native.CudaBackend(index, settings.backstop)
             _backends[key] = backend
         return backend

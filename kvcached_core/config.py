@@ -70,6 +70,7 @@ class Settings:
     pool_target: int = 4
     pool_max: int = 16
     zero_on_map: bool = False
+    backstop: bool = True
     host_device_bytes: int = 0
     control: bool = True
     watch_interval_ms: int = 10
@@ -99,6 +100,12 @@ SETTINGS: dict[str, Setting] = {
     ),
     "pool_max": Setting("KVCACHED_POOL_MAX", _non_negative_int, "bound on pooled physical handles"),
     "zero_on_map": Setting("KVCACHED_ZERO_ON_MAP", _bool, "zero pages when they are mapped"),
+    "backstop": Setting(
+        "KVCACHED_BACKSTOP",
+        _bool,
+        "CUDA: unmapped pages map one shared zeroed page, so a kernel reading an unallocated block reads zeros "
+        "instead of faulting (one more driver call per map and unmap; 0 = leave them unmapped)",
+    ),
     "host_device_bytes": Setting(
         "KVCACHED_HOST_DEVICE_BYTES",
         _size,

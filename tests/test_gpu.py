@@ -5,6 +5,7 @@ Run on the lent H200 by benchmarks/gpu/run_all.sh; results are kept in benchmark
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -129,3 +130,44 @@ def test_reported_availability_is_served_on_a_nearly_full_device(cuda_manager):
     finally:
         del hog
         torch.cuda.empty_cache()
+
+
+def test_backstop_serves_reads_of_unallocated_blocks(make_manager, settings):
+    """With the backstop (the default), reading blocks nobody allocated reads zeros instead of faulting the
+    CUDA context, before any page is mapped and after pages were unmapped again; writes to mapped pages
+    never reach the shared backstop page."""
+    mgr = make_manager(
+        device="cuda:0",
+        num_blocks=4096,
+        reserved_pages=0,
+        reclaim_delay_ms=0,
+        settings=dataclasses.replace(settings, backstop=True),
+    )
+    whole = mgr.buffer(0, 1).view(torch.int32)
+    assert int(whole.abs().sum()) == 0  # every page of the buffer read, none mapped
+    ids = mgr.alloc(512)
+    blocks = whole.view(4096, -1)
+    blocks[torch.tensor(ids, device="cuda")] = 7
+    assert int(whole.sum()) == 7 * 512 * blocks.shape[1]
+    mgr.free(ids)
+    torch.cuda.synchronize()
+    assert mgr.trim() > 0 and mgr.snapshot()["mapped_bytes"] == 0
+    assert int(whole.abs().sum()) == 0
+
+
+def test_backstop_costs_one_granule_however_large_the_reservation(make_manager, settings):
+    """64 GiB of virtual KV with the backstop: the device loses at most a few MiB (the shared granule),
+    not the reservation's size."""
+    free_before, _ = torch.cuda.mem_get_info()
+    mgr = make_manager(
+        device="cuda:0",
+        num_blocks=1 << 15,
+        block_bytes=1 << 20,
+        num_layers=1,
+        num_kv_buffers=2,
+        pool_target=0,
+        settings=dataclasses.replace(settings, backstop=True),
+    )
+    assert mgr.buffer(0, 1).numel() == 32 << 30
+    free_after, _ = torch.cuda.mem_get_info()
+    assert free_before - free_after <= 16 * MiB

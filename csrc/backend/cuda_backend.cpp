@@ -9,7 +9,7 @@ namespace {
 const CudaDriver& drv() { return CudaDriver::get(); }
 }  // namespace
 
-CudaBackend::CudaBackend(int device_index) : index_(device_index) {
+CudaBackend::CudaBackend(int device_index, bool backstop) : index_(device_index) {
   const CudaDriver& d = drv();
   int count = 0;
   KVCACHED_CU(d.cuDeviceGetCount(&count));
@@ -32,10 +32,49 @@ CudaBackend::CudaBackend(int device_index) : index_(device_index) {
   access_.location = prop_.location;
   access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   KVCACHED_CU(d.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  if (backstop) {
+    make_current();
+    KVCACHED_CU(d.cuMemCreate(&backstop_, granularity_, &prop_, 0));
+    // Zeroed once through a scratch mapping, so stray reads see zeros rather than old KV bytes.
+    CUdeviceptr scratch = 0;
+    CUresult rc = d.cuMemAddressReserve(&scratch, granularity_, granularity_, 0, 0);
+    if (rc == CUDA_SUCCESS) {
+      rc = d.cuMemMap(scratch, granularity_, 0, backstop_, 0);
+      if (rc == CUDA_SUCCESS) {
+        rc = d.cuMemSetAccess(scratch, granularity_, &access_, 1);
+        if (rc == CUDA_SUCCESS) rc = d.cuMemsetD8(scratch, 0, granularity_);
+        if (rc == CUDA_SUCCESS) rc = d.cuCtxSynchronize();
+        d.cuMemUnmap(scratch, granularity_);
+      }
+      d.cuMemAddressFree(scratch, granularity_);
+    }
+    if (rc != CUDA_SUCCESS) {
+      d.cuMemRelease(backstop_);
+      backstop_ = 0;
+      KVCACHED_CU(rc);
+    }
+  }
 }
 
 CudaBackend::~CudaBackend() {
+  // Reservations hold the backend, so none is left that still maps the backstop.
+  if (backstop_ != 0) drv().cuMemRelease(backstop_);
   if (context_ != nullptr) drv().cuDevicePrimaryCtxRelease(device_);
+}
+
+void CudaBackend::fill_backstop(CUdeviceptr addr, std::size_t bytes) {
+  const CudaDriver& d = drv();
+  std::size_t done = 0;
+  CUresult rc = CUDA_SUCCESS;
+  for (; done < bytes; done += granularity_) {
+    rc = d.cuMemMap(addr + done, granularity_, 0, backstop_, 0);
+    if (rc != CUDA_SUCCESS) break;
+  }
+  if (rc == CUDA_SUCCESS) rc = d.cuMemSetAccess(addr, bytes, &access_, 1);
+  if (rc != CUDA_SUCCESS) {
+    if (done > 0) d.cuMemUnmap(addr, done);
+    KVCACHED_CU(rc);
+  }
 }
 
 void CudaBackend::make_current() const {
@@ -49,11 +88,24 @@ std::uintptr_t CudaBackend::reserve(std::size_t bytes) {
   make_current();
   CUdeviceptr ptr = 0;
   KVCACHED_CU(drv().cuMemAddressReserve(&ptr, bytes, granularity_, 0, 0));
+  if (backstop_ != 0) {
+    try {
+      fill_backstop(ptr, bytes);
+    } catch (...) {
+      drv().cuMemAddressFree(ptr, bytes);
+      throw;
+    }
+  }
   return static_cast<std::uintptr_t>(ptr);
 }
 
 void CudaBackend::free_reservation(std::uintptr_t base, std::size_t bytes) noexcept {
-  drv().cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes);
+  const CUdeviceptr ptr = static_cast<CUdeviceptr>(base);
+  if (backstop_ != 0 && drv().cuMemUnmap(ptr, bytes) != CUDA_SUCCESS) {
+    // A granule left without any mapping (a failed refill) makes the range call fail: go one by one.
+    for (std::size_t off = 0; off < bytes; off += granularity_) drv().cuMemUnmap(ptr + off, granularity_);
+  }
+  drv().cuMemAddressFree(ptr, bytes);
 }
 
 std::optional<PhysHandle> CudaBackend::create(std::size_t bytes) {
@@ -67,18 +119,31 @@ std::optional<PhysHandle> CudaBackend::create(std::size_t bytes) {
 
 void CudaBackend::map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle) {
   make_current();
+  const CudaDriver& d = drv();
   const CUdeviceptr ptr = static_cast<CUdeviceptr>(addr);
-  KVCACHED_CU(drv().cuMemMap(ptr, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0));
-  CUresult rc = drv().cuMemSetAccess(ptr, bytes, &access_, 1);
+  if (backstop_ != 0) KVCACHED_CU(d.cuMemUnmap(ptr, bytes));
+  CUresult rc = d.cuMemMap(ptr, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0);
+  if (rc == CUDA_SUCCESS) {
+    rc = d.cuMemSetAccess(ptr, bytes, &access_, 1);
+    if (rc != CUDA_SUCCESS) d.cuMemUnmap(ptr, bytes);  // leave nothing half-mapped
+  }
   if (rc != CUDA_SUCCESS) {
-    drv().cuMemUnmap(ptr, bytes);  // leave nothing half-mapped
+    if (backstop_ != 0) {
+      try {
+        fill_backstop(ptr, bytes);
+      } catch (const BackendError&) {
+        // the range stays unmapped; the map error below is the one the caller needs
+      }
+    }
     KVCACHED_CU(rc);
   }
 }
 
 void CudaBackend::unmap(std::uintptr_t addr, std::size_t bytes) {
   make_current();
-  KVCACHED_CU(drv().cuMemUnmap(static_cast<CUdeviceptr>(addr), bytes));
+  const CUdeviceptr ptr = static_cast<CUdeviceptr>(addr);
+  KVCACHED_CU(drv().cuMemUnmap(ptr, bytes));
+  if (backstop_ != 0) fill_backstop(ptr, bytes);
 }
 
 void CudaBackend::release(PhysHandle handle, std::size_t) noexcept {

@@ -1,6 +1,11 @@
 // CudaBackend: CUDA virtual memory management (cuMemAddressReserve / cuMemCreate / cuMemMap /
 // cuMemSetAccess / cuMemUnmap / cuMemRelease) on one device, in the device's primary context (the one
 // PyTorch uses). Handles survive unmap, so the page pool can reuse them without cuMemCreate.
+//
+// With a backstop, every page of a reservation that holds no page of its own maps one shared zeroed
+// granule instead of nothing: a kernel that reads a block the engine never allocated (padding rows,
+// stale block-table entries, warm-up passes) reads zeros instead of faulting the whole CUDA context.
+// The price is one more driver call on each side: map() first unmaps the backstop, unmap() maps it back.
 #pragma once
 
 #include <cuda.h>
@@ -12,7 +17,7 @@ namespace kvcached {
 class CudaBackend final : public MemoryBackend {
  public:
   // Throws InvalidArgument for a device index out of range, BackendError when the device cannot do VMM.
-  explicit CudaBackend(int device_index);
+  explicit CudaBackend(int device_index, bool backstop = false);
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }
@@ -31,9 +36,12 @@ class CudaBackend final : public MemoryBackend {
   void fence() override;
   void zero(std::uintptr_t addr, std::size_t bytes) override;
   MemInfo mem_info() override;
+  bool backstop() const noexcept { return backstop_ != 0; }
 
  private:
   void make_current() const;
+  // Map the backstop granule over every granule of [addr, addr + bytes); all or nothing.
+  void fill_backstop(CUdeviceptr addr, std::size_t bytes);
 
   int index_;
   CUdevice device_ = 0;
@@ -41,6 +49,7 @@ class CudaBackend final : public MemoryBackend {
   std::size_t granularity_ = 0;
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
+  CUmemGenericAllocationHandle backstop_ = 0;
 };
 
 }  // namespace kvcached

@@ -262,7 +262,9 @@ PYBIND11_MODULE(_native, m) {
 
 #ifdef KVCACHED_WITH_CUDA
   py::class_<CudaBackend, MemoryBackend, std::shared_ptr<CudaBackend>>(m, "CudaBackend")
-      .def(py::init<int>(), py::arg("device_index"));
+      .def(py::init<int, bool>(), py::arg("device_index"), py::arg("backstop") = false,
+           "backstop=True backs every unmapped page with one shared zeroed granule: stray reads see zeros.")
+      .def_property_readonly("backstop", &CudaBackend::backstop);
   m.def("cuda_unavailable_reason", &CudaDriver::unavailable_reason,
         "Why the CUDA backend cannot be used here, or '' when it can.");
   m.attr("built_with_cuda") = true;

@@ -181,8 +181,7 @@ def main() -> int:
 
     given = {n: gave_back(os.path.join(work, f"{n}.log")) for n in names}
     print(
-        "pressure: cached prefix blocks given back to the busy engine: "
-        + ", ".join(f"{n} {given[n]}" for n in names)
+        "pressure: cached prefix blocks given back to the busy engine: " + ", ".join(f"{n} {given[n]}" for n in names)
     )
     peak = {n: max(s[n] for s in samples) for n in names}
     most = max(s[names[0]] + s[names[1]] for s in samples)

@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu/vllm/run.sh OUT_DIR GPUS:PHASE[,PHASE...] [GPUS:PHASE[,PHASE...] ...]
 #
-#   phases: tests offline serve share share3 limit tp     (tp needs two GPUs: 0,1:tp)
+#   phases: core tests offline serve share share3 limit tp     (tp needs two GPUs: 0,1:tp)
 #   e.g.    run.sh $OUT 0:tests,offline 1:share,share3    then    run.sh $OUT 0:serve 1:limit    then 0,1:tp
 #
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
@@ -31,18 +31,34 @@ export PYTHONUNBUFFERED=1 KVCACHED_RUNTIME_DIR="${KVCACHED_RUNTIME_DIR:-/tmp/kvc
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
-echo "== install kvcached into /tmp/kv"
-if ! (cd "$repo" && "$py" -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/kv . ./kvcached_vllm) \
-    > "$out/install.log" 2>&1; then
-  tail -30 "$out/install.log"
-  exit 1
+# A later call on the same machine with the same sources skips the build.
+sources=$(cd "$repo" && find csrc kvcached_core kvcached_vllm/src CMakeLists.txt pyproject.toml -type f -print0 \
+  | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
+if [ -f "/tmp/kv/.sources-$sources" ]; then
+  echo "== kvcached in /tmp/kv is built from these sources"
+else
+  echo "== install kvcached into /tmp/kv"
+  if ! (cd "$repo" && "$py" -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/kv . ./kvcached_vllm) \
+      > "$out/install.log" 2>&1; then
+    tail -30 "$out/install.log"
+    exit 1
+  fi
+  rm -f /tmp/kv/.sources-* && touch "/tmp/kv/.sources-$sources"
 fi
 export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}"
 (cd /tmp && "$py" -m kvcached_vllm.check | head -1 && "$py" "$repo/benchmarks/gpu/vllm/suite.py" model --out "$out")
 
 run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in the stream's log
   local gpus="$1" phase="$2"
-  if [ "$phase" = tests ]; then
+  if [ "$phase" = core ]; then
+    # The core's GPU tests, and the map path with the backstop on and off (what one more driver call costs).
+    (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_gpu.py" > "$out/pytest-core.log" 2>&1)
+    for on in 1 0; do
+      (cd /tmp && KVCACHED_BACKSTOP=$on "$py" "$repo/benchmarks/alloc_free.py" --device cuda:0 --json \
+        --out "$out/alloc_free_backstop$on.json" > /dev/null 2>> "$out/alloc_free.log")
+    done
+    echo "[core] $(tail -1 "$out/pytest-core.log")"
+  elif [ "$phase" = tests ]; then
     # Two runs: each test folder has its own conftest.
     (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_gpu.py" > "$out/pytest-core.log" 2>&1)
     (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/kvcached_vllm/tests/test_gpu.py" > "$out/pytest-vllm.log" 2>&1)

@@ -5,8 +5,8 @@
 Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 
 - ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
-  tokens of 256 prompts with prefix caching off and on (must be identical), then a timed batch (offline
-  throughput ratio, twice per side).
+  tokens of 256 prompts with prefix caching off and on (must be identical), then timed batches (offline
+  throughput ratio, two pairs, each engine's median of three); last, kvcached with the backstop off.
 - ``serve``: one ``vllm serve`` without, then one with kvcached; an open-loop client (Poisson arrivals,
   streaming) at three request rates up to saturation: TTFT and TPOT p50/p99, request throughput, failures.
 - ``share`` / ``share3``: two (three) engines started at the same moment on one GPU, each sized with
@@ -89,8 +89,11 @@ def wait_for_empty_gpus(timeout: float = 180) -> float:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
     started = time.monotonic()
     while time.monotonic() - started < timeout:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", visible],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", visible],
+            capture_output=True,
+            text=True,
+        )
         used = [int(x) for x in out.stdout.split()] if out.returncode == 0 else []
         if used and max(used) < 2048:
             break
@@ -98,15 +101,17 @@ def wait_for_empty_gpus(timeout: float = 180) -> float:
     return time.monotonic() - started
 
 
-def run_offline_engine(model: str, kvcached: bool, extra: list[str], logfile: str, gpu: str | None) -> dict:
+def run_offline_engine(
+    model: str, kvcached: bool, extra: list[str], logfile: str, gpu: str | None, env: dict[str, str] | None = None
+) -> dict:
     wait_for_empty_gpus()
     cmd = [sys.executable, os.path.join(HERE, "offline_engine.py"), model, *extra]
     with open(logfile, "a") as f:
-        f.write(f"\n=== kvcached={kvcached} {' '.join(extra)}\n")
+        f.write(f"\n=== kvcached={kvcached} {' '.join(extra)} {env or ''}\n")
         f.flush()
         proc = subprocess.run(
             cmd,
-            env=engine_env(kvcached, gpu),
+            env={**engine_env(kvcached, gpu), **(env or {})},
             stdout=subprocess.PIPE,
             stderr=f,
             text=True,
@@ -115,35 +120,50 @@ def run_offline_engine(model: str, kvcached: bool, extra: list[str], logfile: st
         )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}", "stdout_tail": proc.stdout[-2000:]}
+        return {"error": f"exit {proc.returncode}", "stdout_tail": proc.stdout[-2000:], "log_tail": _tail(logfile)}
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _tail(path: str, lines: int = 15) -> list[str]:
+    """The last lines of a log that name an error (what a failed engine said), or its last lines."""
+    with open(path, errors="replace") as f:
+        text = f.read().splitlines()
+    errors = [ln[:300] for ln in text if "Error" in ln or "error" in ln]
+    return errors[-lines:] or [ln[:300] for ln in text[-lines:]]
+
+
+def identity(van: dict, kvc: dict) -> dict:
+    same = sum(a == b for a, b in zip(van["tokens"], kvc["tokens"], strict=True))
+    return {"prompts": len(van["tokens"]), "identical": same, "tokens_each": len(van["tokens"][0])}
+
+
 def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
+    """Fresh engines alternating without/with kvcached, prefix caching off then on. Each engine gives its
+    greedy tokens and (TP=1) the median of three timed batches, so one pair's ratio is not one batch's luck.
+    Then one more kvcached engine with the backstop off (``KVCACHED_BACKSTOP=0``): whether this vLLM reads
+    KV blocks it never allocated (it faults then), which is what the backstop is for."""
     logfile = os.path.join(args.out, f"offline_tp{tp}.log")
     extra_tp = ["--tp", str(tp)] if tp > 1 else []
+    thru = 0 if tp > 1 else 1024
     runs: dict[str, dict] = {}
-    # (label, flags, prompts in the timed batch): a second timed pair alternates the sides again.
-    plan = [("pc-off", [], 1024), ("pc-on", ["--prefix-caching"], 0), ("pc-off-2", [], 1024)]
-    if tp > 1:
-        plan = [("pc-off", [], 0), ("pc-on", ["--prefix-caching"], 0)]
-    for label, flags, thru in plan:
+    plan = [("pc-off", []), ("pc-on", ["--prefix-caching"])]
+    for label, flags in plan:
         for side in ("vanilla", "kvcached"):
             extra = [*flags, *extra_tp, "--throughput-prompts", str(thru)]
             log(f"offline tp={tp} {label} {side}")
             runs[f"{label}/{side}"] = run_offline_engine(args.model, side == "kvcached", extra, logfile, args.gpu)
     result: dict = {"tp": tp, "identity": {}, "throughput": {}, "startup_s": {}}
-    for label, _, thru in plan:
+    for label, _ in plan:
         van, kvc = runs[f"{label}/vanilla"], runs[f"{label}/kvcached"]
         if "error" in van or "error" in kvc:
-            result["identity"][label] = {"error": van.get("error") or kvc.get("error"), "runs": [van, kvc]}
+            failed = van if "error" in van else kvc
+            result["identity"][label] = {
+                "error": failed["error"],
+                "log_tail": failed.get("log_tail"),
+                "runs": [van, kvc],
+            }
             continue
-        same = sum(a == b for a, b in zip(van["tokens"], kvc["tokens"], strict=True))
-        result["identity"][label] = {
-            "prompts": len(van["tokens"]),
-            "identical": same,
-            "tokens_each": len(van["tokens"][0]),
-        }
+        result["identity"][label] = identity(van, kvc)
         result["startup_s"][label] = {"vanilla": van["startup_s"], "kvcached": kvc["startup_s"]}
         result.setdefault("kvcached_pools", kvc["pools"])
         if thru:
@@ -156,6 +176,18 @@ def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
     ratios = [t["ratio_output_tokens"] for t in result["throughput"].values()]
     if ratios:
         result["throughput_ratio_mean"] = statistics.mean(ratios)
+    log(f"offline tp={tp} kvcached, backstop off")
+    bare = run_offline_engine(
+        args.model, True, [*extra_tp, "--throughput-prompts", "0"], logfile, args.gpu, {"KVCACHED_BACKSTOP": "0"}
+    )
+    van = runs["pc-off/vanilla"]
+    result["backstop_off"] = (
+        {"error": bare["error"], "log_tail": bare.get("log_tail")}
+        if "error" in bare
+        else identity(van, bare)
+        if "error" not in van
+        else {"ran": True}
+    )
     return result
 
 
@@ -565,8 +597,14 @@ def phase_probe(args: argparse.Namespace) -> dict:
     """What vLLM's memory snapshot reads with the plugin on and off, next to torch's own reading."""
     result = {}
     for side in (False, True):
-        proc = subprocess.run([sys.executable, "-c", PROBE], env=engine_env(side, args.gpu), capture_output=True,
-                              text=True, cwd=tempfile.gettempdir(), timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", PROBE],
+            env=engine_env(side, args.gpu),
+            capture_output=True,
+            text=True,
+            cwd=tempfile.gettempdir(),
+            timeout=300,
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         result["kvcached" if side else "vanilla"] = json.loads(lines[-1][7:]) if lines else proc.stderr[-2000:]
     return result

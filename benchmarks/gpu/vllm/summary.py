@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
                 in (
                     "identity",
                     "throughput_ratio_mean",
+                    "backstop_off",
                     "error",
                     "handover",
                     "sum_of_peaks_over_gpu",
