@@ -66,7 +66,7 @@ class Settings:
     enable: bool = True
     page_bytes: int = 0
     reserved_pages: int = 2
-    reclaim_delay_ms: int = 50
+    reclaim_delay_ms: int = 1000
     pool_target: int = 4
     pool_max: int = 16
     zero_on_map: bool = False
@@ -91,7 +91,10 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_RESERVED_PAGES", _non_negative_int, "mapped empty pages kept for reuse (per manager)"
     ),
     "reclaim_delay_ms": Setting(
-        "KVCACHED_RECLAIM_DELAY_MS", _non_negative_int, "how long an excess empty page waits before unmapping"
+        "KVCACHED_RECLAIM_DELAY_MS",
+        _non_negative_int,
+        "demand window: empty pages that were in use within the last one or two windows stay mapped "
+        "(0 = keep only the reserve)",
     ),
     "pool_target": Setting(
         "KVCACHED_POOL_TARGET",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import wait_for
 
@@ -119,6 +121,23 @@ def test_freed_pages_beyond_the_reserve_are_unmapped(make_manager):
     assert wait_for(lambda: mgr.snapshot()["mapped_bytes"] == LOGICAL_PAGE)
     assert mgr.trim() == LOGICAL_PAGE
     assert mgr.snapshot()["mapped_bytes"] == 0
+
+
+def test_pages_of_recent_demand_stay_mapped_then_go_after_a_quiet_window(make_manager):
+    """A load that falls and rises again within the reclaim window maps nothing anew (a serving engine's
+    steady churn); once demand stays lower for a whole window the pages go, and not before."""
+    mgr = make_manager(reserved_pages=0, reclaim_delay_ms=200)
+    ids = mgr.alloc(BLOCKS_PER_PAGE * 6)
+    maps = mgr.operation_snapshot()["page_maps_total"]
+    for _ in range(12):  # requests finishing and new ones arriving, for three windows
+        mgr.free(ids)
+        time.sleep(0.05)
+        ids = mgr.alloc(BLOCKS_PER_PAGE * 6)
+    assert mgr.operation_snapshot()["page_maps_total"] == maps
+    mgr.free(ids)
+    quiet = time.monotonic()
+    assert wait_for(lambda: mgr.snapshot()["mapped_bytes"] == 0, timeout=5.0)
+    assert time.monotonic() - quiet >= 0.18  # kept for at least one window
 
 
 def test_trim_keeps_pages_with_allocated_blocks(make_manager):

@@ -315,6 +315,18 @@ PYBIND11_MODULE(_native, m) {
              if (fp == nullptr) throw py::error_already_set();
              return py::reinterpret_steal<py::object>(fp);
            }, "A FastPath object whose alloc/free/available_size are plain CPython methods.")
+      .def("alloc_past_limit", [](BlockAllocator& a, std::int64_t count) -> py::object {
+             std::vector<std::int32_t> ids;
+             bool ok;
+             {
+               py::gil_scoped_release release;
+               ok = a.alloc(count, ids, /*past_limit=*/true);
+             }
+             if (!ok) return py::none();
+             return py::cast(ids);
+           }, py::arg("count"),
+           "alloc() ignoring the memory limit for this call: for an engine that promised blocks before a\n"
+           "lower limit arrived. Virtual capacity and physical memory still bound it; None when they cannot.")
       .def("_set_memory_limit", [](BlockAllocator& a, std::optional<std::uint64_t> limit,
                                    std::optional<std::uint64_t> revision) {
              LimitResult r = a.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision);

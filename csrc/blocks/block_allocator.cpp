@@ -163,8 +163,14 @@ std::int64_t BlockAllocator::allowed_pages() const noexcept {
 }
 
 std::int64_t BlockAllocator::target_empty_pages() const noexcept {
-  const std::int64_t headroom = allowed_pages() - used_pages_.load(std::memory_order_relaxed);
-  return std::max<std::int64_t>(0, std::min(config_.reserved_pages, headroom));
+  const std::int64_t used = used_pages_.load(std::memory_order_relaxed);
+  // No window (reclaim_delay_ms = 0): only the reserve stays.
+  const std::int64_t recent =
+      config_.reclaim_delay_ms == 0
+          ? used
+          : std::max(window_peak_.load(std::memory_order_relaxed), previous_window_peak_.load(std::memory_order_relaxed));
+  const std::int64_t want = std::max(config_.reserved_pages, recent - used);
+  return std::max<std::int64_t>(0, std::min(want, allowed_pages() - used));
 }
 
 // ---- alloc / free -----------------------------------------------------------------------------------
@@ -266,7 +272,7 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
   return MapResult::kMapped;
 }
 
-bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out) {
+bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit) {
   if (count <= 0) throw InvalidArgument("alloc() needs a positive number of blocks, got " + std::to_string(count));
   std::lock_guard<std::mutex> lock(mu_);
   check_open();
@@ -276,7 +282,7 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out) {
     kvcached::count(counters_.capacity_exhausted_total);
     return false;
   };
-  const std::int64_t allowed = allowed_pages();
+  const std::int64_t allowed = past_limit ? std::numeric_limits<std::int64_t>::max() : allowed_pages();
   std::int64_t used_pages = used_pages_.load(std::memory_order_relaxed);
   if (used_pages > allowed) return reject();  // a deferred shrink is in progress: allocation stops
   const std::int64_t partial_free = partial_free_.load(std::memory_order_relaxed);
@@ -330,6 +336,7 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out) {
     if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
     return reject();
   }
+  if (used_pages > window_peak_.load(std::memory_order_relaxed)) window_peak_.store(used_pages, std::memory_order_relaxed);
   kvcached::count(counters_.allocation_successes_total);
   kvcached::count(counters_.allocated_blocks_total, static_cast<std::uint64_t>(count));
   return true;
@@ -487,15 +494,22 @@ std::uint64_t BlockAllocator::reclaim(std::int64_t keep_empty) {
 
 void BlockAllocator::reclaimer_loop() {
   using namespace std::chrono;
+  const milliseconds window(config_.reclaim_delay_ms);
+  const milliseconds poll = window.count() == 0 ? milliseconds(100) : std::clamp(window, milliseconds(1), milliseconds(100));
+  auto window_end = steady_clock::now() + window;
   std::unique_lock<std::mutex> lock(reclaim_mu_);
   while (!stop_) {
-    reclaim_cv_.wait_for(lock, milliseconds(100), [this] { return stop_ || reclaim_requested_.load(); });
+    reclaim_cv_.wait_for(lock, poll, [this] { return stop_ || reclaim_requested_.load(); });
     if (stop_) break;
     reclaim_requested_.store(false);
+    if (steady_clock::now() >= window_end) {
+      // A new window: demand older than the previous window no longer keeps pages mapped.
+      std::lock_guard<std::mutex> state(mu_);
+      previous_window_peak_.store(window_peak_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      window_peak_.store(used_pages_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      window_end = steady_clock::now() + window;
+    }
     if (empty_pages_.load(std::memory_order_relaxed) <= target_empty_pages()) continue;
-    // Let churn settle: a page freed and reused within the delay is never unmapped.
-    reclaim_cv_.wait_for(lock, milliseconds(config_.reclaim_delay_ms), [this] { return stop_; });
-    if (stop_) break;
     lock.unlock();
     reclaim(target_empty_pages());
     lock.lock();

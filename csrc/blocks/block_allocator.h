@@ -7,8 +7,10 @@
 // mapping it maps `num_buffers` physical pages. A block that would straddle two pages is never handed out.
 //
 // Policy. Allocation fills partially used pages first, then mapped empty pages, and maps new pages last.
-// Freed pages stay mapped (a bounded reserve for reuse); a reclaimer thread unmaps the excess after a
-// short delay and a backend fence, never on the caller's path. Virtual capacity, physical memory and
+// Freed pages stay mapped while recent demand reached them: the most pages in use during the current and
+// the previous reclaim window (`reclaim_delay_ms`) stay mapped, at least `reserved_pages` empty ones, so a
+// serving engine whose load goes up and down within a window maps nothing anew. A reclaimer thread unmaps
+// the rest after a backend fence, never on the caller's path; trim() unmaps every empty page at once. Virtual capacity, physical memory and
 // the memory limit all bound alloc() and available_size(); a miss returns false (never throws).
 #pragma once
 
@@ -38,7 +40,7 @@ struct AllocatorConfig {
   std::int64_t page_bytes = 0;        // 0 = automatic: 2 MiB, or the smallest granule multiple above a block
   bool reserve_null_block = false;    // block 0 is never handed out; its page stays mapped
   std::int64_t reserved_pages = 2;    // mapped empty pages kept for reuse
-  std::int64_t reclaim_delay_ms = 50; // how long an excess empty page waits before it is unmapped
+  std::int64_t reclaim_delay_ms = 1000; // demand window: empty pages used within 1-2 windows stay mapped
   std::int64_t pool_target = 4;       // physical handles the pool thread keeps ready (0 = none)
   std::int64_t pool_max = 16;         // bound on pooled handles
   bool zero_on_map = false;           // zero pages when they are mapped
@@ -74,8 +76,10 @@ class BlockAllocator {
   BlockAllocator& operator=(const BlockAllocator&) = delete;
 
   // Appends `count` distinct block ids to `out` and returns true, or returns false and changes nothing
-  // when virtual capacity, physical memory or the memory limit cannot serve them now.
-  bool alloc(std::int64_t count, std::vector<std::int32_t>& out);
+  // when virtual capacity, physical memory or the memory limit cannot serve them now. `past_limit`
+  // ignores the memory limit for this call (an engine honouring a promise made before the limit fell;
+  // the limit holds again from the next call).
+  bool alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit = false);
   // Frees `ids`. Throws InvalidArgument (and frees nothing) on an unknown, reserved or duplicate id.
   void free(const std::int64_t* ids, std::size_t count);
   // Blocks alloc() could hand out now (a lower bound). Lock-free, no driver call.
@@ -179,6 +183,9 @@ class BlockAllocator {
   std::atomic<std::int64_t> unmapped_pages_{0};
   std::atomic<bool> tail_unmapped_{false};
   std::atomic<std::int64_t> allocated_blocks_{0};
+  // Most pages in use during the current and the previous reclaim window (rotated by the reclaimer).
+  std::atomic<std::int64_t> window_peak_{0};
+  std::atomic<std::int64_t> previous_window_peak_{0};
   std::atomic<std::uint64_t> limit_bytes_{kNoLimit};
   std::atomic<std::uint64_t> limit_revision_{0};
   std::atomic<bool> closed_{false};

@@ -72,7 +72,9 @@ def test_a_neighbours_shortfall_wakes_the_engine_and_gives_back_down_to_the_floo
     # stays) and 1 (32) go back, page 2 (the most recently freed) stays at the floor of 32.
     assert pool.cached_free_blocks == 32 and watch.given_back == 63
     assert {b // 32 for b in pool._cached_free} == {2}
-    assert planner.snapshot()["allocated_blocks"] == 32
+    snap = planner.snapshot()
+    assert snap["allocated_blocks"] == 32
+    assert snap["mapped_pages"] == snap["used_pages"] == 2, "pages kept for recent demand were not unmapped"
     signal_from_another_process()  # at the floor: nothing more to give, the engine is left alone
     with pytest.raises(queue.Empty):
         engine.input_queue.get(timeout=0.2)
@@ -95,3 +97,34 @@ def test_own_shortfall_is_not_news_and_limit_bound_shortfall_is_not_signalled(ca
     time.sleep(0.05)
     assert not watch.pending.is_set(), "an engine reacted to its own shortfall"
     assert pool.cached_free_blocks == 95
+
+
+def test_a_limit_arriving_between_the_schedulers_check_and_its_allocation_does_not_kill_the_engine(
+    tmp_path, monkeypatch
+):
+    """vLLM counts free blocks, then allocates, and dies if the allocation fails. A ``kvctl limit`` applied by
+    the control thread in between (seen on the H200 in the middle of a burst) must not make it fail: the
+    promised blocks are served past the limit, and from the next count on the limit binds."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    from conftest import elastic_pool
+    from vllm.plugins import load_general_plugins
+
+    from kvcached_vllm import runtime
+
+    load_general_plugins()
+    runtime.close_all()
+    pool, planner = elastic_pool("promised", enable_caching=False)
+    try:
+        held = pool.get_new_blocks(40)  # two pages of 32 blocks in use
+        assert pool.get_num_free_blocks() >= 100  # the scheduler's check
+        planner.set_memory_limit(planner.snapshot()["mapped_bytes"])  # kvctl, from another thread, meanwhile
+        assert planner.alloc(100) is None  # kvcached alone would now refuse
+        promised = pool.get_new_blocks(100)
+        assert len({b.block_id for b in promised}) == 100
+        assert pool.get_num_free_blocks() == 0  # the next check: the limit binds, vLLM preempts
+        pool.free_blocks(promised)
+        planner.trim()
+        assert planner.snapshot()["mapped_bytes"] <= planner.snapshot()["limit_bytes"]
+        pool.free_blocks(held)
+    finally:
+        runtime.close_all()

@@ -18,6 +18,7 @@ unmapped, then the oldest others. When another engine on the same device runs sh
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from kvcached_core import KVCacheManager
 
 from . import runtime
+
+PROMISE_WAIT_S = 5.0  # how long a promised allocation waits for other processes to give memory back
 
 
 class ElasticBlockPool(BlockPool):
@@ -73,7 +76,7 @@ class ElasticBlockPool(BlockPool):
             self._evict(max(1, num_blocks - self._manager.available_size()))
             ids = self._manager.alloc(num_blocks)
         if ids is None:
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            ids = self._promised(num_blocks)
         blocks = [self.blocks[i] for i in ids]
         for block in blocks:
             self._held[block.block_id] = 1
@@ -88,6 +91,30 @@ class ElasticBlockPool(BlockPool):
             if self.metrics_collector:
                 self.metrics_collector.on_block_allocated(block)
         return blocks
+
+    def _promised(self, num_blocks: int) -> list[int]:
+        """Blocks the scheduler was promised by :meth:`get_num_free_blocks` and that kvcached no longer serves.
+
+        vLLM checks the free count, then allocates, and cannot take a failure in between (the engine dies).
+        What changed meanwhile happened off the scheduler's thread: a lower ``kvctl limit`` (this call may
+        pass it; the next check reports what the limit leaves, so vLLM preempts back under it), or another
+        process took the device's memory (the neighbours are asked to give cached prefixes back, and this
+        call waits for them, at most ``PROMISE_WAIT_S``).
+        """
+        assert self._manager is not None
+        deadline = time.monotonic() + PROMISE_WAIT_S
+        while (ids := self._manager.alloc_past_limit(num_blocks)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"kvcached: {num_blocks} KV blocks the scheduler counted as free could not be mapped within "
+                    f"{PROMISE_WAIT_S:.0f} s: other processes hold the device's memory; cap them "
+                    "(kvctl limit) or give this engine a lower --gpu-memory-utilization"
+                )
+            watch = runtime.pressure_watch()
+            if watch is not None:
+                watch.report_shortfall()
+            time.sleep(0.005)
+        return ids
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         if self._manager is not None:
@@ -145,6 +172,18 @@ class ElasticBlockPool(BlockPool):
             victims += self._take_page(page)
         self._drop(victims)
         return len(victims)
+
+    def has_idle_pages(self) -> bool:
+        """Whether pages that hold no allocated block are mapped (kvcached keeps the engine's recent demand
+        mapped for up to two ``KVCACHED_RECLAIM_DELAY_MS`` windows)."""
+        if self._manager is None:
+            return False
+        snap = self._manager.snapshot()
+        return snap["mapped_pages"] > snap["used_pages"]
+
+    def trim(self) -> int:
+        """Unmap every page no allocated block is on, now; returns the bytes given back."""
+        return self._manager.trim() if self._manager is not None else 0
 
     def physically_short(self) -> bool:
         """Whether the memory kvcached can map now, not this engine's limit or virtual capacity, is what

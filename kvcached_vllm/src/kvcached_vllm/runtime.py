@@ -96,7 +96,8 @@ class PressureWatch:
 
     Policy: when another engine on this device could not get memory, this engine gives back its cached
     prefix blocks (no request uses them), least recently used first and whole idle pages first, down to
-    ``KVCACHED_PREFIX_CACHE_FLOOR_BYTES``. Blocks in use are never taken. The give-back runs on the
+    ``KVCACHED_PREFIX_CACHE_FLOOR_BYTES``, and unmaps the empty pages it keeps for its own recent demand.
+    Blocks in use are never taken. The give-back runs on the
     scheduler's own thread, between two of its turns: a watcher thread notices the shortfall and wakes the
     engine loop, whose next client request (or the wake-up itself) runs :meth:`run_pending` first. When this
     engine falls short itself (the device, not its own limit, is full), :meth:`report_shortfall` tells the
@@ -125,7 +126,9 @@ class PressureWatch:
                 shortfall = self.pressure.poll()
             except OSError:
                 continue
-            if shortfall is not None and any(p.cached_free_blocks > self._floor_blocks(p) for p in self.pools):
+            if shortfall is not None and any(
+                p.cached_free_blocks > self._floor_blocks(p) or p.has_idle_pages() for p in self.pools
+            ):
                 self.pending.set()
                 self._wake_engine()
 
@@ -141,14 +144,20 @@ class PressureWatch:
         engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
     def run_pending(self) -> None:
-        """On the scheduler's thread: give back cached prefix blocks if another engine fell short."""
+        """On the scheduler's thread: give back cached prefix blocks and idle pages if another engine fell
+        short."""
         if not self.pending.is_set():
             return
         self.pending.clear()
         given = sum(pool.shrink_prefix_cache(self._floor_blocks(pool)) for pool in self.pools)
-        if given:
+        unmapped = sum(pool.trim() for pool in self.pools)
+        if given or unmapped:
             self.given_back += given
-            logger.info("kvcached: gave back %d cached prefix blocks to another engine on this device", given)
+            logger.info(
+                "kvcached: gave back %d cached prefix blocks and %d MiB to another engine on this device",
+                given,
+                unmapped >> 20,
+            )
 
     def report_shortfall(self) -> None:
         """The scheduler could not get blocks: tell the other engines on this device, when the device (not
