@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu/vllm/run.sh OUT_DIR GPUS:PHASE[,PHASE...] [GPUS:PHASE[,PHASE...] ...]
 #
-#   phases: core tests offline serve share share3 limit tp     (tp needs two GPUs: 0,1:tp)
+#   phases: core probe tests offline backstop serve share share3 limit tp     (tp needs two GPUs: 0,1:tp)
 #   e.g.    run.sh $OUT 0:tests,offline 1:share,share3    then    run.sh $OUT 0:serve 1:limit    then 0,1:tp
 #
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
@@ -51,12 +51,14 @@ export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}"
 run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in the stream's log
   local gpus="$1" phase="$2"
   if [ "$phase" = core ]; then
-    # The core's GPU tests, and the map path with the backstop on and off (what one more driver call costs).
+    # The core's GPU tests, the map path with the backstop on and off (what one more driver call costs),
+    # and what the driver charges for each way of mapping a burst (benchmarks/gpu/probe_slices.py).
     (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_gpu.py" > "$out/pytest-core.log" 2>&1)
     for on in 1 0; do
       (cd /tmp && KVCACHED_BACKSTOP=$on "$py" "$repo/benchmarks/alloc_free.py" --device cuda:0 --json \
         --out "$out/alloc_free_backstop$on.json" > /dev/null 2>> "$out/alloc_free.log")
     done
+    (cd /tmp && "$py" "$repo/benchmarks/gpu/probe_slices.py" --out "$out/probe_slices.json" > /dev/null 2>> "$out/alloc_free.log")
     echo "[core] $(tail -1 "$out/pytest-core.log")"
   elif [ "$phase" = tests ]; then
     # Two runs: each test folder has its own conftest.

@@ -6,7 +6,8 @@ Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 
 - ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
   tokens of 256 prompts with prefix caching off and on (must be identical), then timed batches (offline
-  throughput ratio, two pairs, each engine's median of three); last, kvcached with the backstop off.
+  throughput ratio, two pairs, each engine's median of three).
+- ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
 - ``serve``: one ``vllm serve`` without, then one with kvcached; an open-loop client (Poisson arrivals,
   streaming) at three request rates up to saturation: TTFT and TPOT p50/p99, request throughput, failures.
 - ``share`` / ``share3``: two (three) engines started at the same moment on one GPU, each sized with
@@ -140,21 +141,31 @@ def identity(van: dict, kvc: dict) -> dict:
 def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
     """Fresh engines alternating without/with kvcached, prefix caching off then on. Each engine gives its
     greedy tokens and (TP=1) the median of three timed batches, so one pair's ratio is not one batch's luck.
-    Then one more kvcached engine with the backstop off (``KVCACHED_BACKSTOP=0``): whether this vLLM reads
-    KV blocks it never allocated (it faults then), which is what the backstop is for."""
+    ``offline.json`` (``tp2.json``) is rewritten after every engine, so a run cut short keeps what it measured."""
+    name = "offline" if tp == 1 else f"tp{tp}"
     logfile = os.path.join(args.out, f"offline_tp{tp}.log")
     extra_tp = ["--tp", str(tp)] if tp > 1 else []
     thru = 0 if tp > 1 else 1024
     runs: dict[str, dict] = {}
     plan = [("pc-off", []), ("pc-on", ["--prefix-caching"])]
+    result: dict = {}
     for label, flags in plan:
         for side in ("vanilla", "kvcached"):
             extra = [*flags, *extra_tp, "--throughput-prompts", str(thru)]
             log(f"offline tp={tp} {label} {side}")
             runs[f"{label}/{side}"] = run_offline_engine(args.model, side == "kvcached", extra, logfile, args.gpu)
+            result = compare_offline(runs, [label for label, _ in plan], tp)
+            write(args.out, name, result)
+    return result
+
+
+def compare_offline(runs: dict[str, dict], labels: list[str], tp: int) -> dict:
+    """Identity, start-up and throughput of every with/without pair that has run."""
     result: dict = {"tp": tp, "identity": {}, "throughput": {}, "startup_s": {}}
-    for label, _ in plan:
-        van, kvc = runs[f"{label}/vanilla"], runs[f"{label}/kvcached"]
+    for label in labels:
+        van, kvc = runs.get(f"{label}/vanilla"), runs.get(f"{label}/kvcached")
+        if van is None or kvc is None:
+            continue
         if "error" in van or "error" in kvc:
             failed = van if "error" in van else kvc
             result["identity"][label] = {
@@ -166,7 +177,7 @@ def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
         result["identity"][label] = identity(van, kvc)
         result["startup_s"][label] = {"vanilla": van["startup_s"], "kvcached": kvc["startup_s"]}
         result.setdefault("kvcached_pools", kvc["pools"])
-        if thru:
+        if "throughput" in van and "throughput" in kvc:
             result["throughput"][label] = {
                 "vanilla": van["throughput"],
                 "kvcached": kvc["throughput"],
@@ -176,19 +187,21 @@ def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
     ratios = [t["ratio_output_tokens"] for t in result["throughput"].values()]
     if ratios:
         result["throughput_ratio_mean"] = statistics.mean(ratios)
-    log(f"offline tp={tp} kvcached, backstop off")
-    bare = run_offline_engine(
-        args.model, True, [*extra_tp, "--throughput-prompts", "0"], logfile, args.gpu, {"KVCACHED_BACKSTOP": "0"}
-    )
-    van = runs["pc-off/vanilla"]
-    result["backstop_off"] = (
-        {"error": bare["error"], "log_tail": bare.get("log_tail")}
-        if "error" in bare
-        else identity(van, bare)
-        if "error" not in van
-        else {"ran": True}
-    )
     return result
+
+
+def phase_backstop(args: argparse.Namespace) -> dict:
+    """One kvcached engine with the backstop off (``KVCACHED_BACKSTOP=0``) and one vanilla engine: whether this
+    vLLM reads KV blocks it never allocated (the engine faults then), which is what the backstop is for."""
+    logfile = os.path.join(args.out, "backstop.log")
+    extra = ["--throughput-prompts", "0"]
+    log("backstop: vanilla, then kvcached with the backstop off")
+    van = run_offline_engine(args.model, False, extra, logfile, args.gpu)
+    bare = run_offline_engine(args.model, True, extra, logfile, args.gpu, {"KVCACHED_BACKSTOP": "0"})
+    for run in (van, bare):
+        if "error" in run:
+            return {"error": run["error"], "log_tail": run.get("log_tail")}
+    return {"backstop_off": identity(van, bare)}
 
 
 # -- servers and the open-loop client -------------------------------------------------------------------
@@ -369,7 +382,11 @@ def phase_serve(args: argparse.Namespace) -> dict:
             for rate, n in rates:
                 key = "inf" if rate == float("inf") else str(int(rate))
                 log(f"serve {side} rate {key}")
+                before = driver_calls(server.name)
                 stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, 2), rate, 128))
+                after = driver_calls(server.name)
+                if side == "kvcached":  # pages mapped and unmapped during this rate: the churn
+                    stats["driver_calls"] = {k: after[k] - before[k] for k in after}
                 result["rates"].setdefault(key, {})[side] = stats
         except RuntimeError as exc:
             result[f"error_{side}"] = str(exc)
@@ -414,6 +431,18 @@ class Sampler:
         self._stop.set()
         self.thread.join()
         return self.samples
+
+
+def driver_calls(name: str) -> dict[str, int]:
+    """Map and unmap calls kvcached made for instance ``name`` so far (from its control segments)."""
+    from kvcached_core import load_settings, segment
+
+    totals = {"page_maps_total": 0, "page_unmaps_total": 0}
+    for seg in segment.scan(segment.segment_dir(load_settings())).live:
+        if seg.info["name"] == name:
+            for key in totals:
+                totals[key] += seg.info["counters"][key]
+    return totals
 
 
 def pools_of(name: str) -> list[dict]:
@@ -612,7 +641,7 @@ def phase_probe(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    phases = ["model", "probe", "offline", "serve", "share", "share3", "limit", "tp"]
+    phases = ["model", "probe", "offline", "backstop", "serve", "share", "share3", "limit", "tp"]
     parser.add_argument("phases", nargs="+", choices=phases)
     parser.add_argument("--out", required=True, help="folder for JSON, logs and PNGs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
@@ -633,9 +662,11 @@ def main() -> int:
             if phase == "probe":
                 write(args.out, "probe", phase_probe(args))
             elif phase == "offline":
-                write(args.out, "offline", phase_offline(args))
+                phase_offline(args)  # writes offline.json itself, after every engine
+            elif phase == "backstop":
+                write(args.out, "backstop", phase_backstop(args))
             elif phase == "tp":
-                write(args.out, "tp2", phase_offline(args, tp=2))
+                phase_offline(args, tp=2)
             elif phase == "serve":
                 write(args.out, "serve", phase_serve(args))
             elif phase == "share":

@@ -55,6 +55,7 @@ class ElasticBlockPool(BlockPool):
         self._busy = [0] * (num_gpu_blocks // self._blocks_per_page + 1)
         self._cached_by_page: dict[int, dict[int, None]] = {}
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
+        self._counted = 0  # the last free count given to the scheduler, less what it has taken since
         if self._manager is not None:
             runtime.add_block_pool(self, self._manager.device)
 
@@ -66,7 +67,8 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         if self._manager is None:
             return super().get_num_free_blocks()
-        return self._manager.available_size() + len(self._cached_free)
+        self._counted = self._manager.available_size() + len(self._cached_free)
+        return self._counted
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if self._manager is None:
@@ -76,7 +78,10 @@ class ElasticBlockPool(BlockPool):
             self._evict(max(1, num_blocks - self._manager.available_size()))
             ids = self._manager.alloc(num_blocks)
         if ids is None:
+            if num_blocks > self._counted:  # never promised: vLLM's own pool fails the same way
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
             ids = self._promised(num_blocks)
+        self._counted = max(0, self._counted - num_blocks)
         blocks = [self.blocks[i] for i in ids]
         for block in blocks:
             self._held[block.block_id] = 1
@@ -93,9 +98,10 @@ class ElasticBlockPool(BlockPool):
         return blocks
 
     def _promised(self, num_blocks: int) -> list[int]:
-        """Blocks the scheduler was promised by :meth:`get_num_free_blocks` and that kvcached no longer serves.
+        """Blocks the scheduler was promised by its last :meth:`get_num_free_blocks` that kvcached no longer
+        serves.
 
-        vLLM checks the free count, then allocates, and cannot take a failure in between (the engine dies).
+        vLLM counts free blocks, then allocates, and cannot take a failure in between (the engine dies).
         What changed meanwhile happened off the scheduler's thread: a lower ``kvctl limit`` (this call may
         pass it; the next check reports what the limit leaves, so vLLM preempts back under it), or another
         process took the device's memory (the neighbours are asked to give cached prefixes back, and this
