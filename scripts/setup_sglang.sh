@@ -15,9 +15,9 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 version="${1:-0.5.23}"
 case "$version" in
   0.5.23) venv="${KVCACHED_SGLANG_VENV:-$repo/.venv-sglang}"; torch="torch==2.14.1 torchvision==0.29.1"
-    transformers="transformers==5.19.0" ;;
+    pins="transformers==5.19.0 openai apache-tvm-ffi" ;;
   0.5.16) venv="$repo/.venv-sglang-$version"; torch="torch==2.11.0 torchvision==0.26.0"
-    transformers="transformers==5.12.1" ;;
+    pins="transformers==5.12.1 openai==2.6.1 xgrammar==0.2.1 apache-tvm-ffi==0.1.11" ;;
   *) echo "setup-sglang: unsupported SGLang version '$version'; use 0.5.23 or 0.5.16" >&2; exit 2 ;;
 esac
 python="${PYTHON:-python3}"
@@ -29,12 +29,13 @@ fi
 if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; assert m.version('sglang') == sys.argv[1]" \
     "$version" 2>/dev/null; then
   echo "setup-sglang: installing $torch and SGLang $version (one time, ~6 GB)"
-  # shellcheck disable=SC2086  # two requirement words
+  # shellcheck disable=SC2086  # lists of requirements
   "$venv/bin/python" -m pip install -q $torch
   "$venv/bin/python" -m pip install -q --no-deps "sglang==$version"
+  # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install -q orjson psutil pybase64 requests packaging starlette msgspec pydantic \
-    pyzmq tqdm ipython aiohttp "$transformers" dill apache-tvm-ffi zstandard sentencepiece \
-    compressed-tensors gguf einops openai partial_json_parser pytest
+    pyzmq tqdm ipython aiohttp dill zstandard sentencepiece compressed-tensors gguf einops \
+    partial_json_parser pytest $pins
 fi
 echo "setup-sglang: building kvcached-core and installing kvcached-sglang in $venv"
 "$venv/bin/python" -m pip install -q "$repo"

@@ -1,4 +1,5 @@
-"""Shared set-up for the SGLang plugin tests: real SGLang 0.5.23 classes on CPU, kvcached's host backend.
+"""Shared set-up for the SGLang plugin tests: the installed SGLang's real classes on CPU (CI runs them under
+0.5.16 and 0.5.23, the ends of the supported range), kvcached's host backend.
 
 The environment is fixed before SGLang or kvcached is imported: a private runtime directory (segments,
 host budget ledger), a 256 MiB host budget so exhaustion is reachable, immediate reclaim and no reserved
@@ -26,6 +27,44 @@ os.environ.pop("SGLANG_PLUGINS", None)
 os.environ.pop("KVCACHED_ENABLE", None)
 
 import torch  # noqa: E402
+
+
+def release_units() -> tuple[list, list[str]]:
+    """The patch units and the read symbols of the installed SGLang release, as the plugin selects them."""
+    from kvcached_core.patches import for_release
+    from kvcached_sglang import SUPPORT
+    from kvcached_sglang.patches import PATCHES, USED_SYMBOLS
+
+    version = SUPPORT.installed_version()
+    ranged = for_release([u for u in USED_SYMBOLS if not isinstance(u, str)], version)
+    used = [u for u in USED_SYMBOLS if isinstance(u, str)] + [u.target for u in ranged]
+    return for_release(PATCHES, version), used
+
+
+def elastic_class(unit: str) -> type:
+    """The class the plugin's ``unit`` puts in place for the installed SGLang release."""
+    (patch,) = [p for p in release_units()[0] if p.name == unit]
+    return patch.hook
+
+
+def sglang_release() -> tuple[int, ...]:
+    """The installed SGLang release numbers (read from package metadata: SGLang is not imported)."""
+    from kvcached_core.patches import release
+    from kvcached_sglang import SUPPORT
+
+    return release(SUPPORT.installed_version() or "")
+
+
+# SGLang code that cannot run on a CPU in some releases of the range (CI runs 0.5.16 and 0.5.23 on CPU; the
+# GPU runs cover what is skipped here).
+needs_cpu_paged_layout = pytest.mark.skipif(
+    sglang_release() < (0, 5, 22),
+    reason="SGLang before 0.5.22 lays out paged extend/decode allocations with Triton kernels only (no CPU path)",
+)
+needs_cpu_spec_scratch = pytest.mark.skipif(
+    sglang_release() < (0, 5, 20),
+    reason="SGLang before 0.5.20 puts Mamba speculative scratch on 'cuda' whatever the pool's device",
+)
 
 
 @pytest.fixture(scope="session")

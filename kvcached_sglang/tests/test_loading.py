@@ -1,12 +1,12 @@
 """Loading through SGLang's own plugin machinery: entry point discovery, SGLANG_PLUGINS, KVCACHED_ENABLE,
-the version and symbol checks. Everything runs against the installed SGLang 0.5.23."""
+the version and symbol checks. Everything runs against the installed SGLang (0.5.16 or 0.5.23 in CI)."""
 
 from __future__ import annotations
 
 import pkgutil
 
 import pytest
-from conftest import run_python
+from conftest import release_units, run_python
 
 ORIGINALS = """
 import sglang.srt.mem_cache.memory_pool as mp
@@ -20,9 +20,9 @@ def test_sglang_applies_every_patch(sglang_loaded):
     from sglang.srt.mem_cache import kv_cache_configurator as kc
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvcached_sglang.patches import PATCHES
-
-    for patch in PATCHES:
+    patches, _ = release_units()
+    assert len(patches) == 10  # one unit per patched symbol, whichever release
+    for patch in patches:
         assert patch.target in HookRegistry._patched, f"{patch.name}: SGLang did not apply {patch.target}"
         current = pkgutil.resolve_name(patch.target)
         if isinstance(patch.hook, type):
@@ -36,21 +36,22 @@ def test_sglang_applies_every_patch(sglang_loaded):
     # load_plugins() runs once per process; register() is idempotent on its own too.
     sglang_loaded.register()
     assert sum(
-        1 for hooks in HookRegistry._hooks.values() for _, hook, _ in hooks if hook in {p.hook for p in PATCHES}
-    ) == len(PATCHES)
+        1 for hooks in HookRegistry._hooks.values() for _, hook, _ in hooks if hook in {p.hook for p in patches}
+    ) == len(patches)
 
 
 def test_patch_target_check_lists_every_symbol(sglang_loaded, capsys):
     import json
 
+    from kvcached_sglang import SUPPORT
     from kvcached_sglang.check import main
-    from kvcached_sglang.patches import PATCHES, USED_SYMBOLS
 
     assert main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["version"] == "0.5.23"
+    assert report["version"] == SUPPORT.installed_version()
+    patches, used = release_units()
     listed = {row["target"] for row in report["symbols"]}
-    assert listed == {p.target for p in PATCHES} | set(USED_SYMBOLS)
+    assert listed == {p.target for p in patches} | set(used)
     assert all(row["status"] == "ok" for row in report["symbols"])
     assert len(listed) >= 20
 
@@ -67,11 +68,13 @@ def test_version_support():
     from kvcached_core.patches import PluginLoadError
     from kvcached_sglang import SUPPORT
 
-    assert SUPPORT.installed_version() == "0.5.23"
-    assert SUPPORT.is_supported("0.5.23") and SUPPORT.is_supported("0.5.23.post1")
-    assert not SUPPORT.is_supported("0.5.2") and not SUPPORT.is_supported("0.5.24") and not SUPPORT.is_supported("x")
+    assert SUPPORT.installed_version() in SUPPORT.supported
+    assert all(SUPPORT.is_supported(v) for v in ("0.5.16", "0.5.19", "0.5.23", "0.5.23.post1"))
+    for version in ("0.5.2", "0.5.15", "0.5.24", "0.5.160", "x"):
+        assert not SUPPORT.is_supported(version), version
     with pytest.raises(
-        PluginLoadError, match=r"SGLang 0\.5\.24 is not supported .*supported: 0\.5\.23.*KVCACHED_ENABLE=0"
+        PluginLoadError,
+        match=r"SGLang 0\.5\.24 is not supported .*supported: 0\.5\.16, .*0\.5\.23\);.*KVCACHED_ENABLE=0",
     ):
         SUPPORT.check("0.5.24")
 

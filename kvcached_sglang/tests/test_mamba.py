@@ -4,6 +4,7 @@ replaces them) on CPU with real kvcached memory. Nothing is faked."""
 from __future__ import annotations
 
 import torch
+from conftest import elastic_class, needs_cpu_spec_scratch
 
 MiB = 1 << 20
 
@@ -38,12 +39,12 @@ def make_hybrid_req_pool(mamba_size: int = 16, **extra):
 
 def test_mamba_pool_is_elastic(sglang_loaded):
     from kvcached_sglang.allocators import ElasticMambaSlotAllocator
-    from kvcached_sglang.pools import ElasticMambaPool, close_manager
+    from kvcached_sglang.pools import close_manager
 
     req_pool = make_hybrid_req_pool()
     pool, slots = req_pool.mamba_pool, req_pool.mamba_allocator
     try:
-        assert type(pool) is ElasticMambaPool and type(slots) is ElasticMambaSlotAllocator
+        assert type(pool) is elastic_class("mamba-pool") and type(slots) is ElasticMambaSlotAllocator
         mgr = pool.kvcached_manager
         assert mgr.pool_name == "mamba" and pool.size == 16
         state = pool.mamba_cache
@@ -86,6 +87,7 @@ def test_mamba_exhaustion_is_a_none(sglang_loaded):
         close_manager(pool)
 
 
+@needs_cpu_spec_scratch
 def test_speculative_decoding_keeps_sglang_state(sglang_loaded):
     """Speculative scratch lives outside the per-slot entry: that pool stays SGLang's own."""
     from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator

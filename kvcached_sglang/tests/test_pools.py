@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_mha_pool, make_paged_allocator, rss_bytes, track
+from conftest import elastic_class, make_mha_pool, make_paged_allocator, needs_cpu_paged_layout, rss_bytes, track
 
 MiB = 1 << 20
 
@@ -87,12 +88,9 @@ class Requests:
 
 
 def test_pool_and_allocator_are_elastic(sglang_loaded):
-    from kvcached_sglang.allocators import ElasticPagedTokenToKVPoolAllocator
-    from kvcached_sglang.pools import ElasticMHATokenToKVPool
-
     pool = make_mha_pool(4096)
     allocator = make_paged_allocator(pool)
-    assert type(pool) is ElasticMHATokenToKVPool and type(allocator) is ElasticPagedTokenToKVPoolAllocator
+    assert type(pool) is elastic_class("mha-pool") and type(allocator) is elastic_class("paged-allocator")
     assert allocator.elastic
     mgr = pool.kvcached_manager
     assert mgr.pool_name == "mha" and mgr.engine == "sglang" and mgr.num_blocks == 4096 // 16 + 1
@@ -105,6 +103,30 @@ def test_pool_and_allocator_are_elastic(sglang_loaded):
     assert pool.kvcached_manager is None and mgr.closed
 
 
+def test_paged_frees_give_pages_back_in_and_out_of_free_groups(sglang_loaded):
+    """Every way SGLang frees paged slots (a plain free, a free group flushed at its end; 0.5.16's own
+    ``free`` and 0.5.17's ``_release_page_ids`` alike) gives the pages back to kvcached, and only once."""
+    pool = make_mha_pool(4096)
+    allocator = make_paged_allocator(pool)
+    mgr = pool.kvcached_manager
+    a = allocator.alloc(4 * 16)  # page-granular: SGLang's own layout over the pages kvcached gave
+    b = allocator.alloc(2 * 16)
+    assert a is not None and b is not None and mgr.snapshot()["allocated_blocks"] == 6
+    assert 0 not in (a // 16).tolist() and not set((a // 16).tolist()) & set((b // 16).tolist())
+    allocator.free_group_begin()
+    allocator.free(a[:32])
+    allocator.free(a[32:])
+    assert mgr.snapshot()["allocated_blocks"] == 6  # held until the group ends
+    allocator.free_group_end()
+    assert mgr.snapshot()["allocated_blocks"] == 2
+    allocator.free(b)
+    assert mgr.snapshot()["allocated_blocks"] == 0
+    assert allocator.logical_available_size() == 4096
+    mgr.trim()
+    assert mgr.snapshot()["mapped_pages"] == 1  # the padding page only
+
+
+@needs_cpu_paged_layout
 def test_kv_survives_alloc_free_churn(sglang_loaded):
     pool = make_mha_pool(16 * 256)
     reqs = Requests(pool, make_paged_allocator(pool))
@@ -197,11 +219,9 @@ def test_reported_availability_is_always_served(sglang_loaded):
 def test_token_allocator_page_size_one(sglang_loaded):
     from sglang.srt.mem_cache import kv_cache_configurator as kc
 
-    from kvcached_sglang.allocators import ElasticTokenToKVPoolAllocator
-
     pool = make_mha_pool(8192, page_size=1)
     allocator = kc.TokenToKVPoolAllocator(8192, dtype=torch.float16, device="cpu", kvcache=pool, need_sort=False)
-    assert type(allocator) is ElasticTokenToKVPoolAllocator and allocator.elastic
+    assert type(allocator) is elastic_class("token-allocator") and allocator.elastic
     a = allocator.alloc(100)
     b = allocator.alloc(50)
     assert 0 not in a.tolist() and not set(a.tolist()) & set(b.tolist())
@@ -220,8 +240,6 @@ def test_token_allocator_page_size_one(sglang_loaded):
 def test_mla_pool(sglang_loaded):
     from sglang.srt.mem_cache import kv_cache_configurator as kc
 
-    from kvcached_sglang.pools import ElasticMLATokenToKVPool
-
     pool = track(
         kc.MLATokenToKVPool(
             1024,
@@ -236,7 +254,7 @@ def test_mla_pool(sglang_loaded):
             end_layer=1,
         )
     )
-    assert type(pool) is ElasticMLATokenToKVPool and pool.kvcached_manager.pool_name == "mla"
+    assert type(pool) is elastic_class("mla-pool") and pool.kvcached_manager.pool_name == "mla"
     assert pool.kv_buffer[0].shape == (1024 + 16, 1, 80)
     allocator = make_paged_allocator(pool)
     locs = allocator.alloc(32)
@@ -244,7 +262,7 @@ def test_mla_pool(sglang_loaded):
     from sglang.srt.runtime_context import get_parallel
 
     with get_parallel().override(dcp_enabled=False):  # no server published a parallel layout here
-        pool.set_kv_buffer(None, locs, kv, None, layer_id_override=1)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=1), locs, kv, None)  # what set_kv_buffer reads of a layer
     assert torch.equal(pool.get_key_buffer(1)[locs], kv)
     assert torch.equal(pool.get_value_buffer(1)[locs], kv[..., :64])
     allocator.free(locs)

@@ -10,16 +10,20 @@ from __future__ import annotations
 import logging
 
 from kvcached_core import ConfigError, load_settings
-from kvcached_core.patches import EngineSupport, Patch, PluginLoadError, load_checked
+from kvcached_core.patches import EngineSupport, Patch, PluginLoadError, Uses, load_checked
 
 __version__ = "0.1.0"
-SUPPORT = EngineSupport(engine="SGLang", distributions=("sglang",), supported=("0.5.23",))
+SUPPORT = EngineSupport(
+    engine="SGLang",
+    distributions=("sglang",),
+    supported=tuple(f"0.5.{n}" for n in range(16, 24)),  # 0.5.16 to 0.5.23, each release read or run
+)
 
 logger = logging.getLogger(__name__)
 _state = {"registered": False, "active": False}
 
 
-def patch_source() -> tuple[tuple[Patch, ...], tuple[str, ...]]:
+def patch_source() -> tuple[tuple[Patch, ...], tuple[str | Uses, ...]]:
     """The patches and the other SGLang symbols the plugin uses (importing them imports SGLang)."""
     from .patches import PATCHES, USED_SYMBOLS
 

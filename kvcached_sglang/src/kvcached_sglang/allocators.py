@@ -76,26 +76,31 @@ class ElasticAllocatorMixin:
         return self.size - self._manager.snapshot()["allocated_blocks"] * self.page_size  # null block not counted
 
     def _clear_elastic(self) -> None:
+        """After SGLang's own ``clear()`` (which resets its free-group state in every release): nothing is
+        held in kvcached, and SGLang's free list stays empty (kvcached is the free list)."""
         self._manager.clear()
         self.free_pages = self._no_pages()
-        self.free_group = None
 
 
 class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocator):
     """``TokenToKVPoolAllocator`` (page_size 1) over an elastic pool: one kvcached block per token slot.
 
-    Replaces ``sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator`` (SGLang 0.5.23).
+    Replaces ``sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator`` (SGLang 0.5.19 on;
+    :class:`ElasticTokenToKVPoolAllocatorFlagGroups` before).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._bind_manager(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)
 
+    def in_free_group(self) -> bool:
+        """Whether frees are being collected (between SGLang's ``free_group_begin`` and ``_end``)."""
+        return self.free_group is not None
+
     def clear(self) -> None:
-        if not self.elastic:
-            return super().clear()
-        self._clear_elastic()
-        self.release_pages = self._no_pages()
+        super().clear()  # SGLang's group state
+        if self.elastic:
+            self._clear_elastic()
 
     def available_size(self) -> int:
         return self._elastic_available() if self.elastic else super().available_size()
@@ -108,20 +113,29 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
             return super().free(free_index)
         if free_index.numel() == 0:
             return
-        if self.free_group is None:
-            self._give(free_index)
+        if self.in_free_group():
+            self.free_group.append(free_index.clone())  # the caller may reuse its tensor before the group ends
         else:
-            self.free_group.append(self._copy_for_free_group(free_index))
+            self._give(free_index)
 
     def merge_and_sort_free(self) -> None:
         if not self.elastic:
             super().merge_and_sort_free()
 
 
+class ElasticTokenToKVPoolAllocatorFlagGroups(ElasticTokenToKVPoolAllocator):
+    """:class:`ElasticTokenToKVPoolAllocator` for SGLang 0.5.16 to 0.5.18, where a free group is marked by
+    ``is_not_in_free_group`` (``free_group`` is always a list there)."""
+
+    def in_free_group(self) -> bool:
+        return not self.is_not_in_free_group
+
+
 class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
     """``PagedTokenToKVPoolAllocator`` over an elastic pool: one kvcached block per SGLang page.
 
-    Replaces ``sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator`` (SGLang 0.5.23). The exact
+    Replaces ``sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator`` (SGLang 0.5.17 on;
+    :class:`ElasticPagedTokenToKVPoolAllocatorInlineFree` in 0.5.16). The exact
     number of new pages is computed first (from the CPU lengths SGLang passes), exactly that many are taken,
     and SGLang's own ``alloc``/``alloc_extend``/``alloc_decode`` lay the token indices out over them.
     """
@@ -205,10 +219,25 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
             super().merge_and_sort_free()
 
 
+class ElasticPagedTokenToKVPoolAllocatorInlineFree(ElasticPagedTokenToKVPoolAllocator):
+    """:class:`ElasticPagedTokenToKVPoolAllocator` for SGLang 0.5.16, whose ``free`` puts the pages back itself
+    (no ``_release_page_ids`` yet); every paged free, group ends included, goes through it."""
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if not self.elastic:
+            return super().free(free_index)
+        if free_index.numel() == 0:
+            return
+        if self.is_not_in_free_group:
+            self._give(torch.unique(free_index // self.page_size))
+        else:
+            self.free_group.append(free_index.clone())
+
+
 class ElasticMambaSlotAllocator(MambaSlotAllocator):
     """SGLang's Mamba slot allocator over an elastic Mamba pool: slots come from the pool's kvcached manager.
 
-    Installed in place of ``HybridReqToTokenPool.mamba_allocator`` right after SGLang builds it (SGLang 0.5.23
+    Installed in place of ``HybridReqToTokenPool.mamba_allocator`` right after SGLang builds it (SGLang
     constructs it without the pool). Slots are per request and few, so the held set is kept here too: it
     gives SGLang's diagnostics their ``free_slots`` and the idle check its logical free count.
     """

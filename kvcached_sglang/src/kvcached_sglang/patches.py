@@ -1,15 +1,18 @@
-"""Every SGLang symbol the plugin touches, as named patch units (SGLang 0.5.23).
+"""Every SGLang symbol the plugin touches, as named patch units, each for the SGLang releases it fits
+(0.5.16 to 0.5.23; where SGLang changed a symbol between releases, one unit per range).
 
 Importing this module imports SGLang's pool and allocator modules (the classes below subclass them).
 """
 
 from __future__ import annotations
 
-from kvcached_core.patches import Patch
+from kvcached_core.patches import Patch, Releases, Uses
 
 from .allocators import (
     ElasticPagedTokenToKVPoolAllocator,
+    ElasticPagedTokenToKVPoolAllocatorInlineFree,
     ElasticTokenToKVPoolAllocator,
+    ElasticTokenToKVPoolAllocatorFlagGroups,
     use_elastic_mamba_allocator,
 )
 from .capacity import (
@@ -18,11 +21,20 @@ from .capacity import (
     free_memory_with_elastic_peers,
     profile_virtual_capacity,
 )
-from .pools import ElasticMambaPool, ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
+from .pools import ElasticMambaPool, ElasticMambaPoolPageMajor, ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
 
 _POOLS = "sglang.srt.mem_cache.memory_pool"
 _ALLOC = "sglang.srt.mem_cache.allocator"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+_LAYOUT = "sglang.srt.mem_cache.layout"
+
+# Where SGLang changed what the plugin relies on:
+PAGED_FREE_INLINE = Releases("0.5.16", "0.5.17")  # paged free() puts pages back itself
+PAGE_RELEASE = Releases("0.5.17", "0.5.24")  # every paged free ends in _release_page_ids
+FLAG_GROUPS = Releases("0.5.16", "0.5.19")  # free groups marked by is_not_in_free_group
+NONE_GROUPS = Releases("0.5.19", "0.5.24")  # free_group is None outside a group
+PAGE_MAJOR = Releases("0.5.16", "0.5.22")  # Mamba envelope helpers in layout.page_major
+TOKEN_MAJOR = Releases("0.5.22", "0.5.24")  # ... in layout.token_major
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -43,8 +55,25 @@ PATCHES: tuple[Patch, ...] = (
         "token-allocator",
         f"{_ALLOC}.token.TokenToKVPoolAllocator",
         "replace",
+        ElasticTokenToKVPoolAllocatorFlagGroups,
+        "page_size 1: slots come from kvcached, availability is physical",
+        releases=FLAG_GROUPS,
+    ),
+    Patch(
+        "token-allocator",
+        f"{_ALLOC}.token.TokenToKVPoolAllocator",
+        "replace",
         ElasticTokenToKVPoolAllocator,
         "page_size 1: slots come from kvcached, availability is physical",
+        releases=NONE_GROUPS,
+    ),
+    Patch(
+        "paged-allocator",
+        f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator",
+        "replace",
+        ElasticPagedTokenToKVPoolAllocatorInlineFree,
+        "pages come from kvcached, availability is physical",
+        releases=PAGED_FREE_INLINE,
     ),
     Patch(
         "paged-allocator",
@@ -52,6 +81,7 @@ PATCHES: tuple[Patch, ...] = (
         "replace",
         ElasticPagedTokenToKVPoolAllocator,
         "pages come from kvcached, availability is physical",
+        releases=PAGE_RELEASE,
     ),
     Patch(
         "virtual-capacity",
@@ -71,8 +101,17 @@ PATCHES: tuple[Patch, ...] = (
         "mamba-pool",
         f"{_POOLS}.HybridReqToTokenPool.mamba_pool_cls",
         "replace",
+        ElasticMambaPoolPageMajor,
+        "Mamba states in kvcached memory (pool_name mamba)",
+        releases=PAGE_MAJOR,
+    ),
+    Patch(
+        "mamba-pool",
+        f"{_POOLS}.HybridReqToTokenPool.mamba_pool_cls",
+        "replace",
         ElasticMambaPool,
         "Mamba states in kvcached memory (pool_name mamba)",
+        releases=TOKEN_MAJOR,
     ),
     Patch(
         "mamba-allocator",
@@ -98,22 +137,24 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 # Engine symbols the plugin relies on without patching them: checked at load like the targets.
-USED_SYMBOLS: tuple[str, ...] = (
+USED_SYMBOLS: tuple[str | Uses, ...] = (
     "sglang.srt.plugins.hook_registry.HookRegistry.register",
     f"{_POOLS}.MHATokenToKVPool._create_buffers_normal",
     f"{_POOLS}.MHATokenToKVPool._kv_buffer_shapes",
     f"{_POOLS}.MHATokenToKVPool._clear_buffers",
     f"{_POOLS}.MLATokenToKVPool._create_buffers",
     f"{_POOLS}.MLATokenToKVPool._clear_buffers",
-    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator._release_page_ids",
+    Uses(f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator._release_page_ids", PAGE_RELEASE),
     f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator.alloc_extend",
     f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator.alloc_decode",
-    f"{_ALLOC}.base.BaseTokenToKVPoolAllocator._copy_for_free_group",
+    f"{_ALLOC}.base.BaseTokenToKVPoolAllocator.free_group_begin",
     f"{_ALLOC}.mamba.MambaSlotAllocator._do_alloc",
     f"{_POOLS}.MambaPool._conv_fuse_ok",
     f"{_POOLS}.MambaPool._conv_slot_desc",
-    "sglang.srt.mem_cache.layout.token_major.build_mamba_entry_views",
-    "sglang.srt.mem_cache.layout.token_major.mamba_entry_bytes",
+    Uses(f"{_LAYOUT}.page_major.build_page_major_mamba_views", PAGE_MAJOR),
+    Uses(f"{_LAYOUT}.page_major.mamba_entry_bytes", PAGE_MAJOR),
+    Uses(f"{_LAYOUT}.token_major.build_mamba_entry_views", TOKEN_MAJOR),
+    Uses(f"{_LAYOUT}.token_major.mamba_entry_bytes", TOKEN_MAJOR),
     "sglang.srt.utils.get_num_new_pages",
     "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats",
 )

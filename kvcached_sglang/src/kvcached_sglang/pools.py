@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.layout.token_major import build_mamba_entry_views, mamba_entry_bytes
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
 
 from kvcached_core import KVCacheManager
@@ -92,7 +91,7 @@ def elastic_buffers(
 class ElasticMHATokenToKVPool(MHATokenToKVPool):
     """SGLang's MHA pool (pool_name ``mha``) with per-layer K and V buffers in kvcached memory.
 
-    Replaces ``sglang.srt.mem_cache.memory_pool.MHATokenToKVPool`` (SGLang 0.5.23). Only the unquantized
+    Replaces ``sglang.srt.mem_cache.memory_pool.MHATokenToKVPool`` (SGLang 0.5.16 on). Only the unquantized
     NHD/HND buffers become elastic; other layouts keep SGLang's buffers (and its allocator then behaves as
     SGLang's own).
     """
@@ -120,7 +119,7 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
 class ElasticMLATokenToKVPool(MLATokenToKVPool):
     """SGLang's MLA pool (pool_name ``mla``) with its per-layer latent buffer in kvcached memory.
 
-    Replaces ``sglang.srt.mem_cache.memory_pool.MLATokenToKVPool`` (SGLang 0.5.23).
+    Replaces ``sglang.srt.mem_cache.memory_pool.MLATokenToKVPool`` (SGLang 0.5.16 on).
     """
 
     kvcached_manager: KVCacheManager | None = None
@@ -142,22 +141,30 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
 class ElasticMambaPool(MambaPool):
     """SGLang's Mamba state pool (pool_name ``mamba``) with every slot's state in kvcached memory.
 
-    Replaces ``sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool.mamba_pool_cls`` (SGLang 0.5.23). The
-    states use SGLang's own slot-major envelope layout (``build_mamba_entry_views``: one entry holds a slot's
-    conv and temporal state of every layer), so one kvcached block is one slot and slot 0, SGLang's dummy
-    slot, is the reserved null block. Speculative decoding and ReplaySSM add per-slot scratch outside that
-    entry: with either, the pool keeps SGLang's buffers.
+    Replaces ``sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool.mamba_pool_cls`` (SGLang 0.5.22 on;
+    :class:`ElasticMambaPoolPageMajor` before). The states use SGLang's own slot-major envelope layout (one
+    entry holds a slot's conv and temporal state of every layer), so one kvcached block is one slot and slot
+    0, SGLang's dummy slot, is the reserved null block. Speculative decoding and ReplaySSM add per-slot
+    scratch outside that entry: with either, the pool keeps SGLang's buffers.
     """
 
     kvcached_manager: KVCacheManager | None = None
     # Cached per-layout facts that SGLang computes from the states: dropped when the states move.
-    _LAYOUT_CACHES = ("_conv_fuse_ok", "_conv_slot_desc")
+    _LAYOUT_CACHES = ("_conv_fuse_ok", "_conv_slot_desc", "_layer_cache_by_id")
+
+    @staticmethod
+    def entry_layout() -> tuple[Callable[..., Any], Callable[..., int]]:
+        """SGLang's envelope helpers: (views over a raw buffer, bytes of one slot's entry)."""
+        from sglang.srt.mem_cache.layout.token_major import build_mamba_entry_views, mamba_entry_bytes
+
+        return build_mamba_entry_views, mamba_entry_bytes
 
     def __init__(self, **kwargs: Any) -> None:
         plain = not (
             kwargs.get("speculative_num_draft_tokens") is not None
             or kwargs.get("enable_linear_replayssm")
             or kwargs.get("enable_linear_replayssm_spec")
+            or kwargs.get("enable_gdn_replayssm_spec")  # its name in 0.5.16
         )
         if not plain:
             super().__init__(**kwargs)
@@ -172,7 +179,8 @@ class ElasticMambaPool(MambaPool):
             temporal_state_shape=params.shape.temporal,
             temporal_dtype=params.dtype.temporal,
         )
-        entry = mamba_entry_bytes(**geometry)
+        build_views, entry_bytes = self.entry_layout()
+        entry = entry_bytes(**geometry)
         manager = KVCacheManager(
             num_blocks=size + 1,
             block_bytes=entry,
@@ -185,7 +193,7 @@ class ElasticMambaPool(MambaPool):
             reserve_null_block=True,
         )
         self._raw = manager.buffer(0, 0)[: (size + 1) * entry]
-        conv, temporal = build_mamba_entry_views(self._raw, max_slots=size + 1, **geometry)
+        conv, temporal = build_views(self._raw, max_slots=size + 1, **geometry)
         self.mamba_cache = dataclasses.replace(self.mamba_cache, conv=conv, temporal=temporal)
         for name in self._LAYOUT_CACHES:
             self.__dict__.pop(name, None)
@@ -193,6 +201,17 @@ class ElasticMambaPool(MambaPool):
         self.mem_usage = (size + 1) * entry / (1 << 30)
         self.kvcached_manager = manager
         logger.info("kvcached: Mamba state pool of %d slots x %d bytes is elastic", size, entry)
+
+
+class ElasticMambaPoolPageMajor(ElasticMambaPool):
+    """:class:`ElasticMambaPool` for SGLang 0.5.16 to 0.5.21, whose envelope helpers (the same layout) are
+    named in ``sglang.srt.mem_cache.layout.page_major``."""
+
+    @staticmethod
+    def entry_layout() -> tuple[Callable[..., Any], Callable[..., int]]:
+        from sglang.srt.mem_cache.layout.page_major import build_page_major_mamba_views, mamba_entry_bytes
+
+        return build_page_major_mamba_views, mamba_entry_bytes
 
 
 def close_manager(pool: object) -> None:
