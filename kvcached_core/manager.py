@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _native, registry, segment
@@ -173,6 +174,26 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
     def available_size(self) -> int:
         """Blocks ``alloc`` could hand out now (a lower bound; lock-free, never calls the driver)."""
         return self._fast_path().available_size()
+
+    def alloc_promised(self, count: int, wait_s: float = 5.0, on_short: Callable[[], None] | None = None) -> list[int]:
+        """``count`` blocks that an engine already promised its scheduler (it counted them as available and
+        cannot take a refusal now), for when :meth:`alloc` refused them: what changed since the count
+        happened off the scheduler's thread. A lower memory limit is passed for this call (the next
+        availability count reports what the limit leaves, so the engine backs off under it); physical memory
+        another process took meanwhile is waited for, ``on_short()`` being called between tries (e.g. to
+        ask other engines to give memory back). Raises RuntimeError naming the fix after ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while (ids := self.alloc_past_limit(count)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"kvcached: {count} blocks that {self.name} counted as available could not be mapped within "
+                    f"{wait_s:g} s: other processes hold the device's memory; cap them (kvctl limit) or give "
+                    "this engine a smaller KV cache"
+                )
+            if on_short is not None:
+                on_short()
+            time.sleep(0.005)
+        return ids
 
     # -- control --------------------------------------------------------------------------------------
 

@@ -197,3 +197,41 @@ def test_available_size_recovers_after_a_miss_without_a_pool(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_a_promised_allocation_passes_a_new_limit_and_waits_for_memory_a_neighbour_gives_back(tmp_path):
+    """``alloc_promised``: what an engine already promised its scheduler is served past a limit that arrived
+    since, and, when another pool holds the memory, once that pool gives it back (``on_short`` asks it to);
+    if nothing comes back in time, one RuntimeError naming the fix, and nothing is held."""
+    s = kc.load_settings({}, runtime_dir=str(tmp_path / "rt"), host_device_bytes=64 * MiB, reclaim_delay_ms=0)
+    kw = dict(device="cpu", settings=s, reserved_pages=0, pool_target=0)
+    a = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="a", **kw)
+    b = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="b", **kw)
+    try:
+        b.set_memory_limit(0)
+        assert b.alloc(8) is None
+        got = b.alloc_promised(8)
+        assert len(got) == 8 and b.alloc(1) is None  # past the limit once; the limit still binds
+        b.free(got)
+        b.set_memory_limit(None)
+        b.trim()
+
+        held = a.alloc(32 * 8)  # the whole 64 MiB budget
+        assert held is not None and b.alloc(1) is None
+        with pytest.raises(RuntimeError, match=r"could not be mapped within 0.2 s.*kvctl limit"):
+            b.alloc_promised(1, wait_s=0.2)
+        assert b.snapshot()["allocated_blocks"] == 0
+
+        asked = []
+
+        def give_back() -> None:  # what the neighbour does when told the device is short
+            if not asked:
+                a.free(held)
+                a.trim()
+            asked.append(1)
+
+        got = b.alloc_promised(32, wait_s=3.0, on_short=give_back)
+        assert len(got) == 32 and asked
+    finally:
+        a.close()
+        b.close()

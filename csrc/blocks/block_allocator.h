@@ -10,8 +10,9 @@
 // Freed pages stay mapped while recent demand reached them: the most pages in use during the current and
 // the previous reclaim window (`reclaim_delay_ms`) stay mapped, at least `reserved_pages` empty ones, so a
 // serving engine whose load goes up and down within a window maps nothing anew. A reclaimer thread unmaps
-// the rest after a backend fence, never on the caller's path; trim() unmaps every empty page at once. Virtual capacity, physical memory and
-// the memory limit all bound alloc() and available_size(); a miss returns false (never throws).
+// the rest after a backend fence, never on the caller's path; trim() unmaps every empty page at once.
+// Virtual capacity, physical memory and the memory limit all bound alloc() and available_size(); a miss
+// returns false (never throws).
 #pragma once
 
 #include <atomic>

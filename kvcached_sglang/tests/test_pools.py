@@ -198,6 +198,24 @@ def test_exhaustion_and_limit_are_a_none_never_an_error(sglang_loaded):
     settle(allocator.available_size, reported)
 
 
+def test_a_limit_between_the_schedulers_check_and_its_allocation_is_served(sglang_loaded):
+    """SGLang checks ``available_size()``, then allocates, and treats a None in between as fatal. A ``kvctl
+    limit`` applied meanwhile (by the control thread) must not produce that None: what was reported is served
+    past the limit, and from the next check on the limit binds."""
+    pool = make_mha_pool(16 * 256 * 4)
+    allocator = make_paged_allocator(pool)
+    mgr = pool.kvcached_manager
+    reported = allocator.available_size()  # the scheduler's check
+    assert reported > 300 * 16
+    mgr.set_memory_limit(0)  # kvctl, from another thread, before the allocation
+    assert mgr.alloc(1) is None  # kvcached alone now refuses
+    held = allocator.alloc(300 * 16)  # more than the mapped page holds: a new page past the limit
+    assert held is not None and held.numel() == 300 * 16
+    assert allocator.available_size() == 0 and allocator.alloc(16) is None  # the next check: the limit binds
+    allocator.free(held)
+    mgr.set_memory_limit(None)
+
+
 def test_reported_availability_is_always_served(sglang_loaded):
     pool = make_mha_pool(16 * 256 * 40)
     allocator = make_paged_allocator(pool)

@@ -7,8 +7,9 @@ mapped), frees go back to it (whole pages are unmapped after its delayed, fenced
 index arithmetic (``alloc_extend``/``alloc_decode`` kernels) still runs, over exactly the pages taken.
 
 A shortage is SGLang's normal ``None``; SGLang decides admission and retraction from ``available_size()``
-beforehand, so a request that fits what was reported is served. Over a pool that is not elastic (a layout
-kvcached does not cover) every method is SGLang's own.
+beforehand and treats a None after that check as fatal, so what the last ``available_size()`` reported is
+served even if a ``kvctl limit`` or another process took the memory meanwhile (:func:`take`). Over a pool
+that is not elastic (a layout kvcached does not cover) every method is SGLang's own.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from sglang.srt.utils import get_num_new_pages
 from kvcached_core import KVCacheManager
 
 
+def take(manager: KVCacheManager, count: int, counted: int) -> list[int] | None:
+    """``count`` block ids from ``manager``, or None when it cannot serve them and they were not promised:
+    within ``counted`` (what SGLang's scheduler was last told is available) a refusal is served anyway."""
+    ids = manager.alloc(count)
+    if ids is None and count <= counted:
+        ids = manager.alloc_promised(count)
+    return ids
+
+
 class ElasticAllocatorMixin:
     """The kvcached side shared by both allocators: take and give page ids, report capacity."""
 
@@ -40,6 +50,7 @@ class ElasticAllocatorMixin:
         bound = inspect.signature(init).bind(*args, **kwargs)
         self._manager = getattr(bound.arguments["kvcache"], "kvcached_manager", None)
         self._empty = None
+        self._counted = 0  # pages the last available_size() reported, less those taken since
 
     @property
     def elastic(self) -> bool:
@@ -55,9 +66,10 @@ class ElasticAllocatorMixin:
         """``num_pages`` page ids as a tensor on the pool's device, or None when they cannot be mapped now."""
         if num_pages <= 0:
             return self._no_pages()
-        ids = self._manager.alloc(num_pages)
+        ids = take(self._manager, num_pages, self._counted)
         if ids is None:
             return None
+        self._counted = max(0, self._counted - num_pages)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
     def _give(self, page_ids: torch.Tensor) -> None:
@@ -65,7 +77,8 @@ class ElasticAllocatorMixin:
             self._manager.free(page_ids.tolist())
 
     def _elastic_available(self) -> int:
-        return self._manager.available_size() * self.page_size
+        self._counted = self._manager.available_size()
+        return self._counted * self.page_size
 
     def logical_available_size(self) -> int:
         """Tokens not held by any request or cache entry, whether or not memory is mapped for them.
@@ -245,12 +258,14 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
     def __init__(self, manager: KVCacheManager, size: int, device: str) -> None:
         self._manager = manager
         self._held: set[int] = set()
+        self._counted = 0  # slots the last available_size() reported, less those taken since
         super().__init__(size=size, device=device)
 
     elastic = True
 
     def available_size(self) -> int:
-        return self._manager.available_size()
+        self._counted = self._manager.available_size()
+        return self._counted
 
     def logical_available_size(self) -> int:
         """Slots no request or cache entry holds, mapped or not."""
@@ -266,9 +281,10 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
         pass  # SGLang's clear() assigns the full range: the manager is the free list here
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
-        ids = self._manager.alloc(need_size)
+        ids = take(self._manager, need_size, self._counted)
         if ids is None:
             return None
+        self._counted = max(0, self._counted - need_size)
         self._held.update(ids)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 

@@ -18,7 +18,6 @@ unmapped, then the oldest others. When another engine on the same device runs sh
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -29,8 +28,6 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from kvcached_core import KVCacheManager
 
 from . import runtime
-
-PROMISE_WAIT_S = 5.0  # how long a promised allocation waits for other processes to give memory back
 
 
 class ElasticBlockPool(BlockPool):
@@ -98,29 +95,13 @@ class ElasticBlockPool(BlockPool):
         return blocks
 
     def _promised(self, num_blocks: int) -> list[int]:
-        """Blocks the scheduler was promised by its last :meth:`get_num_free_blocks` that kvcached no longer
-        serves.
-
+        """Blocks the scheduler was promised by its last :meth:`get_num_free_blocks` that kvcached refused:
         vLLM counts free blocks, then allocates, and cannot take a failure in between (the engine dies).
-        What changed meanwhile happened off the scheduler's thread: a lower ``kvctl limit`` (this call may
-        pass it; the next check reports what the limit leaves, so vLLM preempts back under it), or another
-        process took the device's memory (the neighbours are asked to give cached prefixes back, and this
-        call waits for them, at most ``PROMISE_WAIT_S``).
-        """
+        Served past a limit that arrived meanwhile, or after waiting for neighbours to give memory back
+        (:meth:`KVCacheManager.alloc_promised`)."""
         assert self._manager is not None
-        deadline = time.monotonic() + PROMISE_WAIT_S
-        while (ids := self._manager.alloc_past_limit(num_blocks)) is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"kvcached: {num_blocks} KV blocks the scheduler counted as free could not be mapped within "
-                    f"{PROMISE_WAIT_S:.0f} s: other processes hold the device's memory; cap them "
-                    "(kvctl limit) or give this engine a lower --gpu-memory-utilization"
-                )
-            watch = runtime.pressure_watch()
-            if watch is not None:
-                watch.report_shortfall()
-            time.sleep(0.005)
-        return ids
+        watch = runtime.pressure_watch()
+        return self._manager.alloc_promised(num_blocks, on_short=watch.report_shortfall if watch else None)
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         if self._manager is not None:
