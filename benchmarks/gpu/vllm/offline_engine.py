@@ -36,11 +36,12 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def pools() -> list[dict]:
+def pools(engine: str = "vllm") -> list[dict]:
+    """This engine's kvcached pools, as ``kvctl list`` shows them."""
     from kvcached_core import load_settings, segment
 
     found = segment.scan(segment.segment_dir(load_settings()))
-    return [r for r in segment.rows(found.live) if r["engine"] == "vllm"]
+    return [r for r in segment.rows(found.live) if r["engine"] == engine]
 
 
 def main() -> None:

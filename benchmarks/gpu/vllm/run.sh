@@ -12,13 +12,21 @@
 # summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
 # full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
 # packed before a device call's limit. A failing phase does not stop the others; exit status 1 if any failed.
+#
+# KVCACHED_BENCH_ENGINE=sglang (what benchmarks/gpu/sglang/run.sh sets) runs the SGLang harness instead:
+# kvcached-sglang installed, benchmarks/gpu/sglang/suite.py's phases, work folder /tmp/kvbench-sglang.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../../.." && pwd)"
 final="${1:?usage: run.sh OUT_DIR GPUS:PHASES ...}"
 shift
 [ $# -gt 0 ] || { echo "run.sh: give at least one GPUS:PHASES stream, e.g. 0:tests,offline" >&2; exit 2; }
 py="${PYTHON:-python3}"
-out=/tmp/kvbench
+engine="${KVCACHED_BENCH_ENGINE:-vllm}"
+case "$engine" in
+  vllm) out=/tmp/kvbench ;;
+  sglang) out=/tmp/kvbench-sglang ;;
+  *) echo "run.sh: KVCACHED_BENCH_ENGINE must be vllm or sglang, not '$engine'" >&2; exit 2 ;;
+esac
 mkdir -p "$out" "$final"
 started=$(date +%s)
 export PYTHONUNBUFFERED=1 KVCACHED_RUNTIME_DIR="${KVCACHED_RUNTIME_DIR:-/tmp/kvcached-bench}"
@@ -26,19 +34,19 @@ export PYTHONUNBUFFERED=1 KVCACHED_RUNTIME_DIR="${KVCACHED_RUNTIME_DIR:-/tmp/kvc
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-  "$py" -c 'import sys, torch, vllm; print("python", sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__)'
+  "$py" -c 'import importlib, sys, torch; e = importlib.import_module(sys.argv[1]); print("python", sys.version.split()[0], "torch", torch.__version__, sys.argv[1], e.__version__)' "$engine"
   echo "cores: $(nproc)"
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
 # A later call on the same machine with the same sources skips the build.
-sources=$(cd "$repo" && find csrc kvcached_core kvcached_vllm/src CMakeLists.txt pyproject.toml -type f -print0 \
+sources=$(cd "$repo" && find csrc kvcached_core "kvcached_$engine/src" CMakeLists.txt pyproject.toml -type f -print0 \
   | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
 if [ -f "/tmp/kv/.sources-$sources" ]; then
   echo "== kvcached in /tmp/kv is built from these sources"
 else
   echo "== install kvcached into /tmp/kv"
-  if ! (cd "$repo" && "$py" -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/kv . ./kvcached_vllm) \
+  if ! (cd "$repo" && "$py" -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/kv . "./kvcached_$engine") \
       > "$out/install.log" 2>&1; then
     tail -30 "$out/install.log"
     exit 1
@@ -46,7 +54,8 @@ else
   rm -f /tmp/kv/.sources-* && touch "/tmp/kv/.sources-$sources"
 fi
 export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}"
-(cd /tmp && "$py" -m kvcached_vllm.check | head -1 && "$py" "$repo/benchmarks/gpu/vllm/suite.py" model --out "$out")
+(cd /tmp && "$py" -m "kvcached_$engine.check" > "$out/check.txt" 2>&1; head -1 "$out/check.txt"
+  "$py" "$repo/benchmarks/gpu/$engine/suite.py" model --out "$out")
 
 run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in the stream's log
   local gpus="$1" phase="$2"
@@ -66,7 +75,7 @@ run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in th
     (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/kvcached_vllm/tests/test_gpu.py" > "$out/pytest-vllm.log" 2>&1)
     echo "[tests] core: $(tail -1 "$out/pytest-core.log"); vllm: $(tail -1 "$out/pytest-vllm.log")"
   else
-    (cd /tmp && "$py" "$repo/benchmarks/gpu/vllm/suite.py" "$phase" --out "$out")
+    (cd /tmp && "$py" "$repo/benchmarks/gpu/$engine/suite.py" "$phase" --out "$out")
   fi
 }
 
@@ -96,7 +105,7 @@ while [ "$(date +%s)" -lt "$deadline" ] && alive; do sleep 2; done
 if alive; then
   # Out of time: stop every engine and driver this run started (servers run in sessions of their own).
   echo "run.sh: budget of ${budget} s spent; stopping what still runs"
-  engines="benchmarks/gpu/vllm/suite.py|offline_engine.py|vllm.entrypoints.openai.api_server|pytest|VLLM::"
+  engines="benchmarks/gpu/[a-z]*/suite.py|offline_engine.py|vllm.entrypoints.openai.api_server|sglang.launch_server|pytest|VLLM::|sglang::"
   pkill -TERM -f "$engines"
   sleep 15
   pkill -KILL -f "$engines"

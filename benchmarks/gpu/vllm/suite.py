@@ -103,16 +103,17 @@ def wait_for_empty_gpus(timeout: float = 180) -> float:
 
 
 def run_offline_engine(
-    model: str, kvcached: bool, extra: list[str], logfile: str, gpu: str | None, env: dict[str, str] | None = None
+    args: argparse.Namespace, kvcached: bool, extra: list[str], logfile: str, env: dict[str, str] | None = None
 ) -> dict:
+    """One offline engine (``args.offline_engine``, a script printing ``RESULT {json}``) in a process of its own."""
     wait_for_empty_gpus()
-    cmd = [sys.executable, os.path.join(HERE, "offline_engine.py"), model, *extra]
+    cmd = [sys.executable, args.offline_engine, args.model, *extra]
     with open(logfile, "a") as f:
         f.write(f"\n=== kvcached={kvcached} {' '.join(extra)} {env or ''}\n")
         f.flush()
         proc = subprocess.run(
             cmd,
-            env={**engine_env(kvcached, gpu), **(env or {})},
+            env={**engine_env(kvcached, args.gpu), **(env or {})},
             stdout=subprocess.PIPE,
             stderr=f,
             text=True,
@@ -153,7 +154,7 @@ def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
         for side in ("vanilla", "kvcached"):
             extra = [*flags, *extra_tp, "--throughput-prompts", str(thru)]
             log(f"offline tp={tp} {label} {side}")
-            runs[f"{label}/{side}"] = run_offline_engine(args.model, side == "kvcached", extra, logfile, args.gpu)
+            runs[f"{label}/{side}"] = run_offline_engine(args, side == "kvcached", extra, logfile)
             result = compare_offline(runs, [label for label, _ in plan], tp)
             write(args.out, name, result)
     return result
@@ -196,8 +197,8 @@ def phase_backstop(args: argparse.Namespace) -> dict:
     logfile = os.path.join(args.out, "backstop.log")
     extra = ["--throughput-prompts", "0"]
     log("backstop: vanilla, then kvcached with the backstop off")
-    van = run_offline_engine(args.model, False, extra, logfile, args.gpu)
-    bare = run_offline_engine(args.model, True, extra, logfile, args.gpu, {"KVCACHED_BACKSTOP": "0"})
+    van = run_offline_engine(args, False, extra, logfile)
+    bare = run_offline_engine(args, True, extra, logfile, {"KVCACHED_BACKSTOP": "0"})
     for run in (van, bare):
         if "error" in run:
             return {"error": run["error"], "log_tail": run.get("log_tail")}
@@ -208,7 +209,8 @@ def phase_backstop(args: argparse.Namespace) -> dict:
 
 
 class Server:
-    """One ``vllm serve`` (the OpenAI server module) in its own process group."""
+    """One ``vllm serve`` (the OpenAI server module) in its own process group; other engines' servers
+    override :meth:`command`."""
 
     def __init__(
         self,
@@ -222,24 +224,7 @@ class Server:
         env: dict[str, str] | None = None,
     ) -> None:
         self.name, self.port = name, port
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--served-model-name",
-            name,
-            "--port",
-            str(port),
-            "--dtype",
-            "bfloat16",
-            "--seed",
-            "0",
-            "--max-model-len",
-            "4096",
-            *extra,
-        ]
+        cmd = self.command(model, extra)
         self.logpath = os.path.join(out, f"server-{name}-{int(time.time())}.log")
         self.proc = subprocess.Popen(
             cmd,
@@ -250,6 +235,26 @@ class Server:
             start_new_session=True,
         )
         self.started = time.monotonic()
+
+    def command(self, model: str, extra: list[str]) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            self.name,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--seed",
+            "0",
+            "--max-model-len",
+            "4096",
+            *extra,
+        ]
 
     def wait_ready(self, timeout: float = 420) -> float:
         deadline = time.monotonic() + timeout
@@ -374,7 +379,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
     result: dict = {"input_len": 512, "output_len": 128, "rates": {}}
     for side in ("vanilla", "kvcached"):
         wait_for_empty_gpus()
-        server = Server(f"serve-{side}", 8100, args.model, side == "kvcached", args.out, [], args.gpu)
+        server = args.server(f"serve-{side}", 8100, args.model, side == "kvcached", args.out, [], args.gpu)
         try:
             result[f"startup_s_{side}"] = server.wait_ready()
             log(f"serve {side} up")
@@ -647,6 +652,7 @@ def main() -> int:
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
     parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
     args = parser.parse_args()
+    args.offline_engine, args.server = os.path.join(HERE, "offline_engine.py"), Server
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers (finally)
     args.model = args.model or make_model(os.path.join(tempfile.gettempdir(), "kvcached-llama3-8b-kv"))
