@@ -12,28 +12,23 @@ on; prompts are token ids, generation ignores EOS.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm"))
-from offline_engine import identity_prompts, pools, random_prompts  # noqa: E402  (the vLLM harness's)
+from offline_engine import (  # noqa: E402  (the vLLM harness's)
+    identity_prompts,
+    pools,
+    random_prompts,
+    timed_batches,
+    workload_arguments,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model")
-    parser.add_argument("--prefix-caching", action="store_true", help="keep SGLang's radix cache")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--identity-prompts", type=int, default=256)
-    parser.add_argument("--identity-tokens", type=int, default=128)
-    parser.add_argument("--throughput-prompts", type=int, default=1024)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3, help="timed batches; the median one is reported")
+    parser = workload_arguments(__doc__.split("\n\n")[0])  # --prefix-caching keeps SGLang's radix cache
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
     parser.add_argument("--attention-backend", default="triton")
     args = parser.parse_args()
@@ -63,21 +58,12 @@ def main() -> None:
         if args.throughput_prompts:
             batch = random_prompts(args.throughput_prompts, args.input_len, vocab, seed=99)
             params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
-            engine.generate(input_ids=batch[:64], sampling_params=params)  # warm
-            seconds = []
-            for _ in range(args.repeats):
-                begin = time.monotonic()
-                done = engine.generate(input_ids=batch, sampling_params=params)
-                seconds.append(time.monotonic() - begin)
-            generated = sum(len(o["output_ids"]) for o in done)
-            elapsed = statistics.median(seconds)
-            result["throughput"] = {
-                "seconds": elapsed,
-                "seconds_each": seconds,
-                "output_tokens_per_s": generated / elapsed,
-                "total_tokens_per_s": (generated + len(batch) * args.input_len) / elapsed,
-                "requests_per_s": len(batch) / elapsed,
-            }
+
+            def generate(prompts: list[list[int]]) -> int:
+                done = engine.generate(input_ids=prompts, sampling_params=params)
+                return sum(len(o["output_ids"]) for o in done)
+
+            result["throughput"] = timed_batches(generate, batch, args.input_len, args.repeats)
         result["pools_after"] = pools("sglang")
         result["kvcached_enabled"] = os.environ.get("KVCACHED_ENABLE", "1") != "0"
         print("RESULT " + json.dumps(result), flush=True)

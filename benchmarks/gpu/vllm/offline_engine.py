@@ -18,6 +18,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 
 def identity_prompts(n: int, vocab: int) -> list[list[int]]:
@@ -44,18 +45,45 @@ def pools(engine: str = "vllm") -> list[dict]:
     return [r for r in segment.rows(found.live) if r["engine"] == engine]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def timed_batches(
+    generate: Callable[[list[list[int]]], int], batch: list[list[int]], input_len: int, repeats: int
+) -> dict:
+    """The median of ``repeats`` timed ``generate(batch)`` calls (each returns the tokens it generated), after a
+    warm-up on 64 prompts: one batch's luck does not decide an engine's figure."""
+    generate(batch[:64])
+    seconds, generated = [], 0
+    for _ in range(repeats):
+        begin = time.monotonic()
+        generated = generate(batch)
+        seconds.append(time.monotonic() - begin)
+    elapsed = statistics.median(seconds)
+    return {
+        "seconds": elapsed,
+        "seconds_each": seconds,
+        "output_tokens_per_s": generated / elapsed,
+        "total_tokens_per_s": (generated + len(batch) * input_len) / elapsed,
+        "requests_per_s": len(batch) / elapsed,
+    }
+
+
+def workload_arguments(description: str) -> argparse.ArgumentParser:
+    """The command line every engine's offline_engine.py shares (the harness's phases pass these)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("model")
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--identity-prompts", type=int, default=256)
     parser.add_argument("--identity-tokens", type=int, default=128)
     parser.add_argument("--throughput-prompts", type=int, default=1024)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed batches; the median one is reported")
+    return parser
+
+
+def main() -> None:
+    parser = workload_arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="off by default: CUDA graphs, as users run")
@@ -85,21 +113,12 @@ def main() -> None:
     if args.throughput_prompts:
         batch = random_prompts(args.throughput_prompts, args.input_len, vocab, seed=99)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in batch[:64]], params, use_tqdm=False)  # warm
-        seconds = []
-        for _ in range(args.repeats):
-            begin = time.monotonic()
-            done = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-            seconds.append(time.monotonic() - begin)
-        generated = sum(len(o.outputs[0].token_ids) for o in done)
-        elapsed = statistics.median(seconds)
-        result["throughput"] = {
-            "seconds": elapsed,
-            "seconds_each": seconds,
-            "output_tokens_per_s": generated / elapsed,
-            "total_tokens_per_s": (generated + len(batch) * args.input_len) / elapsed,
-            "requests_per_s": len(batch) / elapsed,
-        }
+
+        def generate(prompts: list[list[int]]) -> int:
+            done = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in done)
+
+        result["throughput"] = timed_batches(generate, batch, args.input_len, args.repeats)
     result["pools_after"] = pools()
     result["kvcached_enabled"] = os.environ.get("KVCACHED_ENABLE", "1") != "0"
     print("RESULT " + json.dumps(result), flush=True)
