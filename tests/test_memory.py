@@ -235,3 +235,19 @@ def test_a_promised_allocation_passes_a_new_limit_and_waits_for_memory_a_neighbo
     finally:
         a.close()
         b.close()
+
+
+def test_scheduler_count_serves_what_was_counted_and_refuses_beyond(make_manager):
+    """``SchedulerCount``: a refusal within the scheduler's last count (less what it took since) is served
+    anyway, one beyond it stays a refusal, as an engine's own pool would answer."""
+    from kvcached_core.promise import SchedulerCount
+
+    mgr = make_manager(reserved_pages=0)
+    count = SchedulerCount(mgr)
+    assert count.report(mgr.available_size()) == 1024
+    mgr.set_memory_limit(0)  # arrives after the count
+    first = count.honour(40, mgr.alloc(40))
+    assert first is not None and len(first) == 40 and count.counted == 1024 - 40
+    assert count.honour(1000, mgr.alloc(1000)) is None  # beyond what is left of the count
+    assert count.report(mgr.available_size()) == 0 and count.honour(1, mgr.alloc(1)) is None
+    mgr.free(first)

@@ -8,7 +8,8 @@ index arithmetic (``alloc_extend``/``alloc_decode`` kernels) still runs, over ex
 
 A shortage is SGLang's normal ``None``; SGLang decides admission and retraction from ``available_size()``
 beforehand and treats a None after that check as fatal, so what the last ``available_size()`` reported is
-served even if a ``kvctl limit`` or another process took the memory meanwhile (:func:`take`). Over a pool
+served even if a ``kvctl limit`` or another process took the memory meanwhile
+(:class:`kvcached_core.promise.SchedulerCount`). Over a pool
 that is not elastic (a layout kvcached does not cover) every method is SGLang's own.
 """
 
@@ -25,15 +26,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages
 
 from kvcached_core import KVCacheManager
-
-
-def take(manager: KVCacheManager, count: int, counted: int) -> list[int] | None:
-    """``count`` block ids from ``manager``, or None when it cannot serve them and they were not promised:
-    within ``counted`` (what SGLang's scheduler was last told is available) a refusal is served anyway."""
-    ids = manager.alloc(count)
-    if ids is None and count <= counted:
-        ids = manager.alloc_promised(count)
-    return ids
+from kvcached_core.promise import SchedulerCount
 
 
 class ElasticAllocatorMixin:
@@ -50,7 +43,7 @@ class ElasticAllocatorMixin:
         bound = inspect.signature(init).bind(*args, **kwargs)
         self._manager = getattr(bound.arguments["kvcache"], "kvcached_manager", None)
         self._empty = None
-        self._counted = 0  # pages the last available_size() reported, less those taken since
+        self._count = SchedulerCount(self._manager)  # pages SGLang's scheduler was last told are available
 
     @property
     def elastic(self) -> bool:
@@ -66,10 +59,9 @@ class ElasticAllocatorMixin:
         """``num_pages`` page ids as a tensor on the pool's device, or None when they cannot be mapped now."""
         if num_pages <= 0:
             return self._no_pages()
-        ids = take(self._manager, num_pages, self._counted)
+        ids = self._count.honour(num_pages, self._manager.alloc(num_pages))
         if ids is None:
             return None
-        self._counted = max(0, self._counted - num_pages)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
     def _give(self, page_ids: torch.Tensor) -> None:
@@ -77,8 +69,7 @@ class ElasticAllocatorMixin:
             self._manager.free(page_ids.tolist())
 
     def _elastic_available(self) -> int:
-        self._counted = self._manager.available_size()
-        return self._counted * self.page_size
+        return self._count.report(self._manager.available_size()) * self.page_size
 
     def logical_available_size(self) -> int:
         """Tokens not held by any request or cache entry, whether or not memory is mapped for them.
@@ -258,14 +249,13 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
     def __init__(self, manager: KVCacheManager, size: int, device: str) -> None:
         self._manager = manager
         self._held: set[int] = set()
-        self._counted = 0  # slots the last available_size() reported, less those taken since
+        self._count = SchedulerCount(manager)  # slots SGLang's scheduler was last told are available
         super().__init__(size=size, device=device)
 
     elastic = True
 
     def available_size(self) -> int:
-        self._counted = self._manager.available_size()
-        return self._counted
+        return self._count.report(self._manager.available_size())
 
     def logical_available_size(self) -> int:
         """Slots no request or cache entry holds, mapped or not."""
@@ -281,10 +271,9 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
         pass  # SGLang's clear() assigns the full range: the manager is the free list here
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
-        ids = take(self._manager, need_size, self._counted)
+        ids = self._count.honour(need_size, self._manager.alloc(need_size))
         if ids is None:
             return None
-        self._counted = max(0, self._counted - need_size)
         self._held.update(ids)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 

@@ -26,6 +26,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvcached_core import KVCacheManager
+from kvcached_core.promise import SchedulerCount
 
 from . import runtime
 
@@ -52,7 +53,7 @@ class ElasticBlockPool(BlockPool):
         self._busy = [0] * (num_gpu_blocks // self._blocks_per_page + 1)
         self._cached_by_page: dict[int, dict[int, None]] = {}
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
-        self._counted = 0  # the last free count given to the scheduler, less what it has taken since
+        self._count = SchedulerCount(self._manager)  # what vLLM's scheduler was last told is free
         if self._manager is not None:
             runtime.add_block_pool(self, self._manager.device)
 
@@ -64,8 +65,7 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         if self._manager is None:
             return super().get_num_free_blocks()
-        self._counted = self._manager.available_size() + len(self._cached_free)
-        return self._counted
+        return self._count.report(self._manager.available_size() + len(self._cached_free))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if self._manager is None:
@@ -74,11 +74,11 @@ class ElasticBlockPool(BlockPool):
         while ids is None and self._cached_free:
             self._evict(max(1, num_blocks - self._manager.available_size()))
             ids = self._manager.alloc(num_blocks)
+        # Blocks within the scheduler's last count are served even if a limit or another process took the
+        # memory since; beyond it vLLM's own pool fails the same way.
+        ids = self._count.honour(num_blocks, ids, on_short=self._report_shortfall)
         if ids is None:
-            if num_blocks > self._counted:  # never promised: vLLM's own pool fails the same way
-                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-            ids = self._promised(num_blocks)
-        self._counted = max(0, self._counted - num_blocks)
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = [self.blocks[i] for i in ids]
         for block in blocks:
             self._held[block.block_id] = 1
@@ -94,14 +94,12 @@ class ElasticBlockPool(BlockPool):
                 self.metrics_collector.on_block_allocated(block)
         return blocks
 
-    def _promised(self, num_blocks: int) -> list[int]:
-        """Blocks the scheduler was promised by its last :meth:`get_num_free_blocks` that kvcached refused:
-        vLLM counts free blocks, then allocates, and cannot take a failure in between (the engine dies).
-        Served past a limit that arrived meanwhile, or after waiting for neighbours to give memory back
-        (:meth:`KVCacheManager.alloc_promised`)."""
-        assert self._manager is not None
+    @staticmethod
+    def _report_shortfall() -> None:
+        """Ask the other engines on this device to give memory back (while a promised allocation waits)."""
         watch = runtime.pressure_watch()
-        return self._manager.alloc_promised(num_blocks, on_short=watch.report_shortfall if watch else None)
+        if watch is not None:
+            watch.report_shortfall()
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         if self._manager is not None:
