@@ -8,7 +8,7 @@ import threading
 from typing import Union
 
 from . import _native
-from .config import Settings
+from .config import ConfigError, Settings
 from .runtime_dir import ensure_runtime_dir
 
 _lock = threading.Lock()
@@ -99,6 +99,15 @@ def get_backend(device: DeviceLike, settings: Settings) -> _native.MemoryBackend
         key = ("cuda", index, settings.backstop)
     with _lock:
         backend = _backends.get(key)
+        if backend is None and kind == "host" and path:
+            # One ledger slot per process: a second budget for the same ledger would claim the process's
+            # slot again and undo the first one's accounting.
+            other = next((k[2] for k in _backends if k[:2] == ("host", path)), None)
+            if other is not None:
+                raise ConfigError(
+                    f"KVCACHED_HOST_DEVICE_BYTES={budget} for a manager of this process, which already uses "
+                    f"{other} with the same ledger ({path}); give every manager of a process the same host budget"
+                )
         if backend is None:
             if kind == "host":
                 backend = _native.HostBackend(path, budget)

@@ -27,17 +27,22 @@ def _bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
 
 
+MAX_COUNT = (1 << 31) - 1  # counts and milliseconds: the native layer keeps them in 32 bits
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text.strip())
     if value < 0:
         raise ValueError(f"{value} is negative")
+    if value > MAX_COUNT:
+        raise ValueError(f"{value} is larger than {MAX_COUNT}")
     return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text.strip())
-    if value <= 0:
-        raise ValueError(f"{value} is not positive")
+    value = _non_negative_int(text)
+    if value == 0:
+        raise ValueError("0 is not positive")
     return value
 
 
@@ -125,12 +130,12 @@ SETTINGS: dict[str, Setting] = {
     "prefix_cache_bytes": Setting(
         "KVCACHED_PREFIX_CACHE_BYTES",
         _size,
-        "memory an idle engine keeps mapped for cached prefixes (vLLM plugin; 512 MiB); the rest goes back",
+        "memory an idle engine keeps mapped for cached prefixes (vLLM's prefix cache, SGLang's radix cache; 512 MiB)",
     ),
     "prefix_cache_floor_bytes": Setting(
         "KVCACHED_PREFIX_CACHE_FLOOR_BYTES",
         _size,
-        "cached-prefix memory an engine keeps when another engine on its device is short of memory (vLLM plugin)",
+        "cached-prefix memory an idle engine keeps when another engine on its device is short of memory",
     ),
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",

@@ -5,7 +5,11 @@
     kvctl limit-percent NAME PCT     cap an instance at PCT percent of its device's memory
     kvctl gc                         remove segments (and page tables) whose owner is gone
 
-Exit status: 0 done, 2 bad input (one line on stderr, nothing changed), 1 the instance is gone.
+Exit status: 0 done; 1 the instance (or one of its processes) is gone; 2 bad input (one line on stderr,
+nothing changed); 3 a process of the instance is alive but did not take the limit within its wait: it is
+stopped (SIGSTOP, a debugger) or busy, and takes it when it runs again, or its segment was locked by another
+process and nothing was requested there. Every wait is bounded (about a second for the acknowledgement,
+two for a lock).
 A limit applies to each process of the instance (each holds memory on its own device); inside one process
 it is split across the pools in proportion to their virtual capacity.
 """
@@ -35,6 +39,19 @@ class UsageError(Exception):
 
 class GoneError(Exception):
     """The instance (or one of its processes) is not running: exit 1."""
+
+
+class NotTakenError(Exception):
+    """A live process of the instance did not take the request (locked segment): exit 3."""
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``T``/``t``: stopped), or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def warn_skipped(found: Scan, prog: str) -> None:
@@ -107,7 +124,10 @@ def apply_limit(directory: str, name: str, limit_of_process) -> int:
         try:
             _native.request_limit(seg.path, share, revision)
         except _native.SegmentError as exc:
-            raise GoneError(f"process {seg.info['owner_pid']} of {name!r} went away: {exc}") from None
+            pid = seg.info["owner_pid"]
+            if seg.live:
+                raise NotTakenError(f"process {pid} of {name!r} is running but {exc}; try again") from None
+            raise GoneError(f"process {pid} of {name!r} went away: {exc}") from None
     return report(plan, revision)
 
 
@@ -139,8 +159,13 @@ def report(plan: list[tuple[Segment, int | None]], revision: int) -> int:
         pending = still
         if pending and time.monotonic() > deadline:
             for seg, _ in pending:
-                print(f"{seg.info['name']} pid {seg.info['owner_pid']}: limit requested, not yet acknowledged")
-            return 1
+                pid = seg.info["owner_pid"]
+                why = "stopped (SIGSTOP or a debugger)" if process_state(pid) in ("T", "t") else "busy"
+                print(
+                    f"{seg.info['name']} pid {pid}: limit requested, not acknowledged within {ACK_TIMEOUT_S:g} s: "
+                    f"the process is {why} and takes it when it runs again"
+                )
+            return 3
         if pending:
             time.sleep(0.001)
     return status
@@ -174,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvctl",
         description="See and cap the kvcached instances running on this machine.",
-        epilog="Exit status: 0 done, 2 bad input (nothing changed), 1 the instance is gone.",
+        epilog="Exit status: 0 done, 1 the instance is gone, 2 bad input (nothing changed), 3 a live process of "
+        "the instance did not take the limit in time (stopped, busy or its segment locked).",
     )
     parser.add_argument("--runtime-dir", help="segment location (default: KVCACHED_RUNTIME_DIR or its default)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -224,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GoneError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 1
+    except NotTakenError as exc:
+        print(f"kvctl: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
 

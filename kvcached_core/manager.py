@@ -11,15 +11,21 @@ from typing import Any
 
 from . import _native, registry, segment
 from .backends import DeviceLike, device_name, get_backend, host_device_label, planner_backend
-from .config import Settings, load_settings
+from .config import MAX_COUNT, Settings, load_settings
 from .tensors import KVTensorViews
+from .units import MAX_BYTES
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
+def _int_in(name: str, value: object, low: int, high: int) -> int:
+    """``value`` if it is an int in ``[low, high]``; else ValueError naming ``name`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+def _positive_int(name: str, value: object, high: int = MAX_COUNT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ValueError(f"{name} must be a positive integer of at most {high}, got {value!r}")
     return value
 
 
@@ -37,6 +43,9 @@ def _engine_label() -> str:
         if engine in sys.modules:
             return engine
     return "python"
+
+
+MAX_BUFFERS = 1 << 16  # layers x K/V buffers: far beyond any model, and a bound on per-buffer bookkeeping
 
 
 class KVCacheManager(_native.BlockAllocator, KVTensorViews):
@@ -81,9 +90,9 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         """
         s = settings if settings is not None else load_settings()
         self.num_blocks = _positive_int("num_blocks", num_blocks)
-        self.block_bytes = _positive_int("block_bytes", block_bytes)
-        self.num_layers = _positive_int("num_layers", num_layers)
-        self.num_kv_buffers = _positive_int("num_kv_buffers", num_kv_buffers)
+        self.block_bytes = _positive_int("block_bytes", block_bytes, MAX_BYTES)
+        self.num_layers = _positive_int("num_layers", num_layers, MAX_BUFFERS)
+        self.num_kv_buffers = _positive_int("num_kv_buffers", num_kv_buffers, MAX_BUFFERS // self.num_layers)
         self.pool_name = _label("pool_name", pool_name, 31)
         self.engine = _label("engine", engine if engine else _engine_label(), 31)
         self.name = _label("name", name if name else f"{self.engine}-{os.getpid()}", 127)
@@ -93,8 +102,8 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         self.num_buffers = self.num_layers * self.num_kv_buffers
         self.reserve_null_block = bool(reserve_null_block)
 
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        def pick(value: Any, default: Any, name: str, high: int = MAX_COUNT) -> Any:
+            return default if value is None else _int_in(name, value, 0, high)
 
         backend = planner_backend(self.device, s) if mapped_by_workers else get_backend(self.device, s)
         if mapped_by_workers:
@@ -104,13 +113,13 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             num_blocks=self.num_blocks,
             block_bytes=self.block_bytes,
             num_buffers=self.num_buffers,
-            page_bytes=pick(page_bytes, s.page_bytes),
+            page_bytes=pick(page_bytes, s.page_bytes, "page_bytes", MAX_BYTES),
             reserve_null_block=self.reserve_null_block,
-            reserved_pages=pick(reserved_pages, s.reserved_pages),
-            reclaim_delay_ms=pick(reclaim_delay_ms, s.reclaim_delay_ms),
-            pool_target=pick(pool_target, s.pool_target),
-            pool_max=pick(pool_max, s.pool_max),
-            zero_on_map=bool(pick(zero_on_map, s.zero_on_map)),
+            reserved_pages=pick(reserved_pages, s.reserved_pages, "reserved_pages"),
+            reclaim_delay_ms=pick(reclaim_delay_ms, s.reclaim_delay_ms, "reclaim_delay_ms"),
+            pool_target=pick(pool_target, s.pool_target, "pool_target"),
+            pool_max=pick(pool_max, s.pool_max, "pool_max"),
+            zero_on_map=s.zero_on_map if zero_on_map is None else bool(zero_on_map),
         )
         # The hot calls as plain CPython methods (see csrc/bindings/fast_path.h): no pybind11 dispatch.
         self._snapshot_labels = dict(
@@ -195,6 +204,16 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             time.sleep(0.005)
         return ids
 
+    def physically_short(self) -> bool:
+        """Whether what the device lets this manager map now, not its memory limit or its virtual capacity,
+        is what stops it from handing out one more page of blocks: when that is so, other engines on the
+        device giving memory back would help (:class:`kvcached_core.pressure.PressureWatch`)."""
+        snap = self.snapshot()
+        limit = snap["limit_bytes"]
+        if limit is not None and snap["mapped_bytes"] + self.page_bytes * self.num_buffers > limit:
+            return False
+        return snap["allocated_blocks"] + max(1, self.page_bytes // self.block_bytes) < snap["total_blocks"]
+
     # -- control --------------------------------------------------------------------------------------
 
     def set_memory_limit(self, limit_bytes: int | None, revision: int | None = None) -> dict:
@@ -205,12 +224,10 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         older ``revision`` than the current one: ignored) or ``conflict`` (same revision, other value:
         ignored). Without ``revision`` the next one is used.
         """
-        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)):
-            raise ValueError(f"limit_bytes must be an int number of bytes or None, got {limit_bytes!r}")
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
-        if revision is not None and (isinstance(revision, bool) or not isinstance(revision, int) or revision < 0):
-            raise ValueError(f"revision must be a non-negative int or None, got {revision!r}")
+        if limit_bytes is not None:
+            _int_in("limit_bytes", limit_bytes, 0, MAX_BYTES)
+        if revision is not None:
+            _int_in("revision", revision, 0, MAX_BYTES)
         result = self._set_memory_limit(limit_bytes, revision)
         if self._control is not None:
             self._control.record_limit(result)

@@ -8,6 +8,7 @@ another process is told apart by the owner's start time.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,27 +33,58 @@ def page_table_dir(settings: Settings) -> str:
     return runtime_subdir(settings, "pagetables")
 
 
+PID_MAX = (1 << 22) - 1  # Linux's largest pid (pid_max can be at most 4194304)
+
+
+def creator_pid(name: str) -> int | None:
+    """The pid a kvcached file name starts with (``<pid>-...``), or None when the name holds no pid a process
+    can have (a stray file: it is left alone)."""
+    head = name.split("-", 1)[0]
+    if not (head.isascii() and head.isdigit()) or len(head) > 7:
+        return None
+    pid = int(head)
+    return pid if 0 < pid <= PID_MAX else None
+
+
+def _own_regular_file(entry: os.DirEntry) -> bool:
+    """Whether ``entry`` is a regular file of this user (not a link, directory or another user's file): only
+    those are ever removed."""
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _unlink_all(paths: Sequence[str]) -> list[str]:
+    removed = []
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def collect_page_tables(directory: str) -> list[str]:
     """Removes page tables (and their temporary files) whose planner process is gone.
 
     A page table's name starts with its planner's pid; the planner removes it on close, so one whose pid no
-    longer runs was left by a crash.
+    longer runs was left by a crash. Anything else in the directory is left alone.
     """
-    removed = []
     try:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
-        return removed
+        return []
+    dead = []
     for entry in entries:
-        pid = entry.name.split("-", 1)[0]
-        if not pid.isdigit() or PAGE_TABLE_SUFFIX not in entry.name or _native.process_alive(int(pid), 0):
+        pid = creator_pid(entry.name)
+        if pid is None or PAGE_TABLE_SUFFIX not in entry.name or not _own_regular_file(entry):
             continue
-        try:
-            os.unlink(entry.path)
-            removed.append(entry.path)
-        except FileNotFoundError:
-            pass
-    return removed
+        if not _native.process_alive(pid, 0):
+            dead.append(entry.path)
+    return _unlink_all(dead)
 
 
 def new_segment_path(directory: str) -> str:
@@ -87,8 +119,8 @@ def scan(directory: str) -> Scan:
         return result
     for entry in entries:
         if entry.name.endswith(TMP_SUFFIX):
-            pid = entry.name.split("-", 1)[0]
-            if pid.isdigit() and not _native.process_alive(int(pid), 0):
+            pid = creator_pid(entry.name)
+            if pid is not None and _own_regular_file(entry) and not _native.process_alive(pid, 0):
                 result.leftovers.append(entry.path)
             continue
         if not entry.name.endswith(SUFFIX):
@@ -100,25 +132,60 @@ def scan(directory: str) -> Scan:
                 result.bad.append((entry.path, str(exc).split(": ", 1)[-1]))
             continue
         (result.live if seg.live else result.stale).append(seg)
+    result.live = _without_copies(result.live, result.bad)
     return result
+
+
+def _identity(seg: Segment) -> tuple:
+    i = seg.info
+    return (i["owner_pid"], i["owner_start_time"], i["created_unix_ns"], i["name"], i["pool_name"])
+
+
+def _without_copies(live: list[Segment], bad: list[tuple[str, str]]) -> list[Segment]:
+    """A byte copy of a live segment (a backup tool's, say) or a second name of it (a hard link) reads as a
+    second live pool of its owner, and a limit would be split between them. Where several files carry one
+    identity, only the one the owner maps is its segment, under one name; the others land in ``bad``.
+    Without /proc to tell (a hidden process), copies are kept."""
+    groups: dict[tuple, list[Segment]] = {}
+    for seg in live:
+        groups.setdefault(_identity(seg), []).append(seg)
+    kept = []
+    for segs in groups.values():
+        mapped = _mapped_inodes(segs[0].info["owner_pid"]) if len(segs) > 1 else None
+        seen: set[int] = set()
+        for seg in segs:
+            try:
+                inode = os.stat(seg.path, follow_symlinks=False).st_ino
+            except OSError:
+                continue
+            if inode in seen:
+                bad.append((seg.path, "another name (a hard link) of a live segment; remove it"))
+            elif mapped is not None and inode not in mapped:
+                bad.append((seg.path, "a copy of a live segment (its owner does not map it); remove it"))
+            else:
+                seen.add(inode)
+                kept.append(seg)
+    return kept
+
+
+def _mapped_inodes(pid: int) -> set[int] | None:
+    """Inode numbers of the files process ``pid`` maps, or None when /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {int(fields[4]) for fields in (line.split(maxsplit=5) for line in f) if len(fields) > 4}
+    except (OSError, ValueError):
+        return None
 
 
 def collect(directory: str, name: str | None = None, pool_name: str | None = None) -> list[str]:
     """Removes segments whose owner is gone (only those of ``name``/``pool_name`` when given)."""
     found = scan(directory)
-    removed: list[str] = []
     targets = [
         s.path for s in found.stale if name is None or (s.info["name"], s.info["pool_name"]) == (name, pool_name)
     ]
     if name is None:
         targets += found.leftovers
-    for path in targets:
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
+    return _unlink_all(targets)
 
 
 def rows(segments: Sequence[Segment]) -> list[dict]:

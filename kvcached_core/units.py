@@ -6,6 +6,7 @@ import re
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)[bB]?\s*$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+MAX_BYTES = 1 << 62  # far beyond any machine, and within every integer type the native layer uses
 
 
 def parse_size(text: str) -> int:
@@ -14,6 +15,8 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"{text!r} is not a size; write bytes or a number with K, M, G or T (e.g. 512M, 1.5GiB)")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value > MAX_BYTES:
+        raise ValueError(f"{text!r} is larger than any supported size (4 EiB)")
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of bytes")
     return int(value)

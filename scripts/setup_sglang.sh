@@ -35,7 +35,7 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; assert m.versio
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install -q orjson psutil pybase64 requests packaging starlette msgspec pydantic \
     pyzmq tqdm ipython aiohttp dill zstandard sentencepiece compressed-tensors gguf einops \
-    partial_json_parser pytest $pins
+    partial_json_parser setproctitle uvicorn fastapi pytest $pins
 fi
 echo "setup-sglang: building kvcached-core and installing kvcached-sglang in $venv"
 "$venv/bin/python" -m pip install -q "$repo"

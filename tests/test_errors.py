@@ -22,7 +22,16 @@ import kvcached_core as kc
         (dict(name="x" * 200), "longer than 127 bytes"),
         (dict(page_bytes=1000), "multiple of the host granularity"),
         (dict(block_bytes=4 * 1024 * 1024, page_bytes=2 * 1024 * 1024), "set page_bytes to at least 4194304"),
-        (dict(reserved_pages=-1), "must not be negative"),
+        (dict(reserved_pages=-1), "reserved_pages must be an integer from 0 to 2147483647"),
+        # Numbers beyond every integer type the native layer holds: refused here, never an overflow there.
+        (dict(num_blocks=2**70), "num_blocks must be a positive integer of at most 2147483647"),
+        (dict(block_bytes=2**70), "block_bytes must be a positive integer of at most"),
+        (dict(num_layers=2**40), "num_layers must be a positive integer of at most 65536"),
+        (dict(num_layers=512, num_kv_buffers=512), "num_kv_buffers must be a positive integer of at most 128"),
+        (dict(page_bytes=2**64), "page_bytes must be an integer from 0 to"),
+        (dict(reclaim_delay_ms=2**40), "reclaim_delay_ms must be an integer from 0 to 2147483647"),
+        (dict(pool_target=2**63), "pool_target must be an integer from 0 to 2147483647"),
+        (dict(pool_max=-1), "pool_max must be an integer from 0"),
     ],
 )
 def test_bad_geometry_is_a_value_error_naming_the_fix(settings, kwargs, message):
@@ -83,3 +92,36 @@ def test_foreign_runtime_dir_is_refused(tmp_path):
     s = kc.load_settings({}, runtime_dir=str(target), host_device_bytes=1 << 30)
     with pytest.raises(PermissionError, match="KVCACHED_RUNTIME_DIR"):
         kc.KVCacheManager(8, 4096, 1, 2, device="cpu", settings=s)
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "KVCACHED_PAGE_BYTES",
+        "KVCACHED_RESERVED_PAGES",
+        "KVCACHED_RECLAIM_DELAY_MS",
+        "KVCACHED_POOL_TARGET",
+        "KVCACHED_POOL_MAX",
+        "KVCACHED_HOST_DEVICE_BYTES",
+        "KVCACHED_WATCH_INTERVAL_MS",
+        "KVCACHED_PREFIX_CACHE_BYTES",
+        "KVCACHED_PREFIX_CACHE_FLOOR_BYTES",
+    ],
+)
+@pytest.mark.parametrize("value", ["9" * 30, "1" * 400])
+def test_settings_beyond_every_integer_type_are_a_config_error_naming_the_variable(variable, value):
+    with pytest.raises(kc.ConfigError, match=f"^{variable}=.*larger than"):
+        kc.load_settings({variable: value})
+
+
+def test_limits_and_block_ids_beyond_64_bits_are_value_errors(make_manager):
+    mgr = make_manager(num_blocks=64)
+    with pytest.raises(ValueError, match="limit_bytes must be an integer from 0 to"):
+        mgr.set_memory_limit(2**70)
+    with pytest.raises(ValueError, match="revision must be an integer from 0 to"):
+        mgr.set_memory_limit(None, 2**64)
+    with pytest.raises(ValueError, match=r"alloc\(\) count is out of range"):
+        mgr.alloc(2**70)
+    with pytest.raises(ValueError, match="a block id is out of range"):
+        mgr.free([2**70])
+    assert mgr.snapshot()["allocated_blocks"] == 0 and mgr.snapshot()["limit_bytes"] is None  # nothing applied

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "common/errors.h"
@@ -53,9 +54,15 @@ HostBudget::HostBudget(const std::string& path, std::size_t capacity_bytes)
   fd_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd_ < 0) throw BackendError(errno_text("cannot open host budget ledger " + path), errno);
   struct stat st {};
-  if (fstat(fd_, &st) != 0 || st.st_uid != geteuid()) {
+  // Only a file kvcached made is trusted: a link planted here (hard links pass O_NOFOLLOW) would have the
+  // ledger written into another file of this user.
+  if (fstat(fd_, &st) != 0 || st.st_uid != geteuid() || !S_ISREG(st.st_mode) || st.st_nlink != 1 ||
+      (st.st_mode & 077) != 0) {
     close(fd_);
-    throw BackendError("host budget ledger " + path + " is not owned by this user; remove it or set KVCACHED_RUNTIME_DIR", EPERM);
+    throw BackendError("host budget ledger " + path +
+                           " is not a private file of this user (a link, another user's file or open to others); "
+                           "remove it or set KVCACHED_RUNTIME_DIR",
+                       EPERM);
   }
   FileLock lock(fd_);
   bool fresh = static_cast<std::size_t>(st.st_size) < sizeof(Ledger);
@@ -71,6 +78,7 @@ HostBudget::HostBudget(const std::string& path, std::size_t capacity_bytes)
     throw BackendError("cannot map host budget ledger " + path + ": " + std::strerror(err), err);
   }
   ledger_ = static_cast<Ledger*>(mem);
+  guard_ = std::make_unique<SigbusGuard>(mem, sizeof(Ledger));
   if (fresh || ledger_->magic != kMagic || ledger_->version != kVersion || ledger_->num_slots != kSlots) {
     if (!fresh && ledger_->magic != 0) {
       // Foreign or older file: start over rather than trust its contents.
@@ -93,6 +101,7 @@ HostBudget::HostBudget(const std::string& path, std::size_t capacity_bytes)
     }
   }
   if (mine_ == nullptr) {
+    guard_.reset();
     munmap(ledger_, sizeof(Ledger));
     close(fd_);
     throw BackendError("host budget ledger " + path + " has no free slot (over 256 live processes)", ENOSPC);
@@ -104,6 +113,7 @@ HostBudget::~HostBudget() {
     FileLock lock(fd_);
     mine_->bytes.store(0);
     mine_->pid.store(0);
+    guard_.reset();
     munmap(ledger_, sizeof(Ledger));
   }
   if (fd_ >= 0) close(fd_);
@@ -119,14 +129,17 @@ std::size_t HostBudget::live_total_locked() {
       slot.pid.store(0);
       continue;
     }
-    total += slot.bytes.load();
+    // Saturating: a damaged ledger may claim any number, and a wrapped sum would grant memory that is not there.
+    const std::size_t held = slot.bytes.load();
+    total = held > SIZE_MAX - total ? SIZE_MAX : total + held;
   }
   return total;
 }
 
 bool HostBudget::try_charge(std::size_t bytes) {
   FileLock lock(fd_);
-  if (live_total_locked() + bytes > capacity_) return false;
+  const std::size_t total = live_total_locked();
+  if (guard_->damaged() || total > capacity_ || bytes > capacity_ - total) return false;
   mine_->bytes.fetch_add(bytes);
   return true;
 }
@@ -135,7 +148,8 @@ void HostBudget::uncharge(std::size_t bytes) noexcept { mine_->bytes.fetch_sub(b
 
 std::size_t HostBudget::used_total() {
   FileLock lock(fd_);
-  return live_total_locked();
+  const std::size_t total = live_total_locked();
+  return guard_->damaged() ? capacity_ : total;
 }
 
 }  // namespace kvcached

@@ -3,13 +3,17 @@
 //
 // The ledger is a small owner-only file of per-process slots (pid, start time, bytes held). A charge sums
 // the slots of live processes under an exclusive file lock; slots of dead processes (SIGKILLed owners
-// included) count as zero and are reclaimed, so a crash never leaks budget.
+// included) count as zero and are reclaimed, so a crash never leaks budget. A damaged ledger fails safe:
+// claims beyond every integer saturate, and a ledger truncated under a running process stops its charges.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+
+#include "common/sigbus_guard.h"
 
 namespace kvcached {
 
@@ -40,6 +44,9 @@ class HostBudget {
   int fd_ = -1;
   Ledger* ledger_ = nullptr;
   Slot* mine_ = nullptr;
+  // A ledger truncated under us reads as zeros from then on: charges are refused (never grant memory the
+  // ledger cannot account for); what is held stays held until it is freed.
+  std::unique_ptr<SigbusGuard> guard_;
 };
 
 }  // namespace kvcached

@@ -26,7 +26,12 @@ bool to_int64(PyObject* obj, std::int64_t& out, const char* what) {
     PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", what, Py_TYPE(obj)->tp_name);
     return false;
   }
-  out = PyLong_AsLongLong(obj);
+  int overflow = 0;
+  out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (overflow != 0) {  // beyond 64 bits: out of every range below, said as such rather than OverflowError
+    PyErr_Format(PyExc_ValueError, "%s is out of range (beyond 64 bits)", what);
+    return false;
+  }
   return !(out == -1 && PyErr_Occurred());
 }
 

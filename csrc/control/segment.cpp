@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -59,7 +60,13 @@ std::string text_field(const char* field, std::size_t cap, const std::string& pa
 struct MappedSegment {
   int fd = -1;
   SegmentLayout* seg = nullptr;
+  std::unique_ptr<SigbusGuard> guard;  // the file may be truncated while we read it
+  // A file truncated while it was read or written: what was read is not the owner's.
+  void check_intact(const std::string& path) const {
+    if (guard && guard->damaged()) throw SegmentError(path + ": changed size while it was read; try again");
+  }
   ~MappedSegment() {
+    guard.reset();
     if (seg != nullptr) munmap(seg, sizeof(SegmentLayout));
     if (fd >= 0) ::close(fd);
   }
@@ -82,6 +89,7 @@ void open_segment(const std::string& path, bool writable, MappedSegment& out) {
   void* mem = mmap(nullptr, sizeof(SegmentLayout), writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, out.fd, 0);
   if (mem == MAP_FAILED) throw SegmentError(path + ": cannot map: " + std::strerror(errno));
   out.seg = static_cast<SegmentLayout*>(mem);
+  out.guard = std::make_unique<SigbusGuard>(mem, sizeof(SegmentLayout));
   if (out.seg->magic != kSegmentMagic) throw SegmentError(path + ": not a kvcached segment (bad magic)");
   if (out.seg->layout_version != kSegmentLayoutVersion || out.seg->layout_bytes != sizeof(SegmentLayout))
     throw SegmentError(path + ": segment layout version " + std::to_string(out.seg->layout_version) +
@@ -95,9 +103,22 @@ void open_segment(const std::string& path, bool writable, MappedSegment& out) {
 
 ControlSegment::ControlSegment(const std::string& path, const SegmentIdentity& identity,
                                std::shared_ptr<BlockAllocator> allocator, int poll_ms)
-    : path_(path), allocator_(std::move(allocator)), poll_ms_(poll_ms > 0 ? poll_ms : 10) {
+    : path_(path),
+      identity_(identity),
+      created_unix_ns_(unix_ns()),
+      allocator_(std::move(allocator)),
+      poll_ms_(poll_ms > 0 ? poll_ms : 10) {
+  SegmentLayout* seg = create_file();
+  seg_.store(seg, std::memory_order_release);
+  // `seen` is fixed here, not when the thread first runs: a request that arrives before the thread is
+  // scheduled must still count as new.
+  const std::uint32_t seen = seg->request_seq.load(std::memory_order_acquire);
+  watcher_ = std::thread([this, seen] { run(seen); });
+}
+
+SegmentLayout* ControlSegment::create_file() {
   // Build the file under a temporary name and rename it into place: readers never see a half-written one.
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = path_ + ".tmp";
   int fd = open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) throw BackendError("cannot create control segment " + tmp + ": " + std::strerror(errno), errno);
   if (ftruncate(fd, sizeof(SegmentLayout)) != 0) {
@@ -106,92 +127,123 @@ ControlSegment::ControlSegment(const std::string& path, const SegmentIdentity& i
     unlink(tmp.c_str());
     throw BackendError("cannot size control segment " + tmp + ": " + std::strerror(err), err);
   }
-  void* mem = mmap(nullptr, sizeof(SegmentLayout), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  struct stat st {};
+  void* mem = fstat(fd, &st) == 0 ? mmap(nullptr, sizeof(SegmentLayout), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                                  : MAP_FAILED;
   ::close(fd);
   if (mem == MAP_FAILED) {
     const int err = errno;
     unlink(tmp.c_str());
     throw BackendError("cannot map control segment " + tmp + ": " + std::strerror(err), err);
   }
-  seg_ = new (mem) SegmentLayout();  // zero-initialized atomics
+  auto guard = std::make_unique<SigbusGuard>(mem, sizeof(SegmentLayout));
+  auto* seg = new (mem) SegmentLayout();  // zero-initialized atomics
   const AllocatorConfig& c = allocator_->config();
-  seg_->layout_version = kSegmentLayoutVersion;
-  seg_->layout_bytes = sizeof(SegmentLayout);
-  seg_->owner_pid = static_cast<std::int32_t>(getpid());
-  seg_->owner_uid = geteuid();
-  seg_->owner_start_time = process_start_time(static_cast<int>(getpid()));
-  seg_->created_unix_ns = unix_ns();
-  copy_text(seg_->engine, sizeof(seg_->engine), identity.engine);
-  copy_text(seg_->device, sizeof(seg_->device), identity.device);
-  copy_text(seg_->instance_name, sizeof(seg_->instance_name), identity.instance_name);
-  copy_text(seg_->pool_name, sizeof(seg_->pool_name), identity.pool_name);
-  seg_->device_total_bytes = identity.device_total_bytes;
-  seg_->virtual_bytes = allocator_->buffer_stride() * static_cast<std::uint64_t>(c.num_buffers);
-  seg_->page_bytes = allocator_->page_bytes();
-  seg_->block_bytes = static_cast<std::uint64_t>(c.block_bytes);
-  seg_->num_buffers = static_cast<std::uint64_t>(c.num_buffers);
-  seg_->request_limit_bytes.store(BlockAllocator::kNoLimit);
-  seg_->applied_limit_bytes.store(BlockAllocator::kNoLimit);
-  publish();
-  seg_->magic = kSegmentMagic;
-  if (rename(tmp.c_str(), path.c_str()) != 0) {
+  seg->layout_version = kSegmentLayoutVersion;
+  seg->layout_bytes = sizeof(SegmentLayout);
+  seg->owner_pid = static_cast<std::int32_t>(getpid());
+  seg->owner_uid = geteuid();
+  seg->owner_start_time = process_start_time(static_cast<int>(getpid()));
+  seg->created_unix_ns = created_unix_ns_;
+  copy_text(seg->engine, sizeof(seg->engine), identity_.engine);
+  copy_text(seg->device, sizeof(seg->device), identity_.device);
+  copy_text(seg->instance_name, sizeof(seg->instance_name), identity_.instance_name);
+  copy_text(seg->pool_name, sizeof(seg->pool_name), identity_.pool_name);
+  seg->device_total_bytes = identity_.device_total_bytes;
+  seg->virtual_bytes = allocator_->buffer_stride() * static_cast<std::uint64_t>(c.num_buffers);
+  seg->page_bytes = allocator_->page_bytes();
+  seg->block_bytes = static_cast<std::uint64_t>(c.block_bytes);
+  seg->num_buffers = static_cast<std::uint64_t>(c.num_buffers);
+  seg->request_limit_bytes.store(BlockAllocator::kNoLimit);
+  seg->applied_limit_bytes.store(BlockAllocator::kNoLimit);
+  publish_to(seg);
+  seg->magic = kSegmentMagic;
+  if (rename(tmp.c_str(), path_.c_str()) != 0) {
     const int err = errno;
-    munmap(seg_, sizeof(SegmentLayout));
+    guard.reset();
+    munmap(mem, sizeof(SegmentLayout));
     unlink(tmp.c_str());
-    throw BackendError("cannot publish control segment " + path + ": " + std::strerror(err), err);
+    throw BackendError("cannot publish control segment " + path_ + ": " + std::strerror(err), err);
   }
-  // `seen` is fixed here, not when the thread first runs: a request that arrives before the thread is
-  // scheduled must still count as new.
-  const std::uint32_t seen = seg_->request_seq.load(std::memory_order_acquire);
-  watcher_ = std::thread([this, seen] { run(seen); });
+  guard_ = std::move(guard);
+  inode_ = st.st_ino;
+  return seg;
+}
+
+bool ControlSegment::file_intact() const noexcept {
+  struct stat st {};
+  return lstat(path_.c_str(), &st) == 0 && st.st_ino == inode_ && S_ISREG(st.st_mode);
+}
+
+void ControlSegment::recreate() noexcept {
+  try {
+    SegmentLayout* fresh = create_file();
+    // The old file's revisions are gone with it; the allocator still knows the limit it applies.
+    const AllocatorSnapshot snap = allocator_->snapshot();
+    fresh->applied_limit_bytes.store(snap.limit_bytes);
+    fresh->applied_revision.store(snap.limit_revision);
+    fresh->handled_revision.store(snap.limit_revision);
+    SegmentLayout* old = seg_.exchange(fresh, std::memory_order_acq_rel);
+    // Another thread may still be publishing into the old mapping: private pages take its place (never
+    // unmapped, one page), so whatever becomes of the old file cannot fault that thread.
+    mmap(old, sizeof(SegmentLayout), PROT_READ | PROT_WRITE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  } catch (const std::exception&) {
+    // The directory is gone or a directory sits at path_: keep publishing where we do; retried later.
+  }
 }
 
 ControlSegment::~ControlSegment() { close(); }
 
 void ControlSegment::publish() noexcept {
-  if (seg_ == nullptr) return;
+  SegmentLayout* seg = seg_.load(std::memory_order_acquire);
+  if (seg != nullptr) publish_to(seg);
+}
+
+void ControlSegment::publish_to(SegmentLayout* seg) noexcept {
   const AllocatorSnapshot s = allocator_->snapshot();
   // A deferred limit turns applied once pages in use have fallen under it.
-  const std::uint32_t status = seg_->applied_status.load(std::memory_order_relaxed);
+  const std::uint32_t status = seg->applied_status.load(std::memory_order_relaxed);
   if (status == static_cast<std::uint32_t>(LimitStatus::kDeferred) ||
       status == static_cast<std::uint32_t>(LimitStatus::kApplied)) {
-    const std::uint64_t in_use = static_cast<std::uint64_t>(s.used_pages) * seg_->page_bytes * seg_->num_buffers;
+    const std::uint64_t in_use = static_cast<std::uint64_t>(s.used_pages) * seg->page_bytes * seg->num_buffers;
     const bool over = s.limit_bytes != BlockAllocator::kNoLimit && in_use > s.limit_bytes;
-    seg_->applied_status.store(static_cast<std::uint32_t>(over ? LimitStatus::kDeferred : LimitStatus::kApplied),
+    seg->applied_status.store(static_cast<std::uint32_t>(over ? LimitStatus::kDeferred : LimitStatus::kApplied),
                                std::memory_order_relaxed);
   }
   constexpr auto r = std::memory_order_relaxed;
-  seg_->state_seq.fetch_add(1, std::memory_order_acq_rel);  // odd: writing
-  seg_->publish_unix_ns.store(unix_ns(), r);
-  seg_->total_blocks.store(s.total_blocks, r);
-  seg_->allocated_blocks.store(s.allocated_blocks, r);
-  seg_->available_blocks.store(s.available_blocks, r);
-  seg_->mapped_bytes.store(s.mapped_bytes, r);
-  seg_->used_bytes.store(s.used_bytes, r);
-  seg_->limit_bytes.store(s.limit_bytes, r);
-  seg_->limit_revision.store(s.limit_revision, r);
-  seg_->pool_ready_handles.store(s.pool_ready, r);
+  seg->state_seq.fetch_add(1, std::memory_order_acq_rel);  // odd: writing
+  seg->publish_unix_ns.store(unix_ns(), r);
+  seg->total_blocks.store(s.total_blocks, r);
+  seg->allocated_blocks.store(s.allocated_blocks, r);
+  seg->available_blocks.store(s.available_blocks, r);
+  seg->mapped_bytes.store(s.mapped_bytes, r);
+  seg->used_bytes.store(s.used_bytes, r);
+  seg->limit_bytes.store(s.limit_bytes, r);
+  seg->limit_revision.store(s.limit_revision, r);
+  seg->pool_ready_handles.store(s.pool_ready, r);
   const OperationCounters& ops = allocator_->counters();
-#define KVCACHED_PUBLISH_COUNTER(name) seg_->name.store(ops.name.load(r), r);
+#define KVCACHED_PUBLISH_COUNTER(name) seg->name.store(ops.name.load(r), r);
   KVCACHED_OPERATION_COUNTERS(KVCACHED_PUBLISH_COUNTER)
 #undef KVCACHED_PUBLISH_COUNTER
-  seg_->state_seq.fetch_add(1, std::memory_order_release);  // even: consistent
+  seg->state_seq.fetch_add(1, std::memory_order_release);  // even: consistent
 }
 
 void ControlSegment::record_limit(const LimitResult& result) noexcept {
-  if (seg_ == nullptr) return;
-  seg_->applied_limit_bytes.store(result.limit_bytes);
-  seg_->applied_status.store(static_cast<std::uint32_t>(status_of(result.status)));
-  publish();
+  SegmentLayout* seg = seg_.load(std::memory_order_acquire);
+  if (seg == nullptr) return;
+  seg->applied_limit_bytes.store(result.limit_bytes);
+  seg->applied_status.store(static_cast<std::uint32_t>(status_of(result.status)));
+  publish_to(seg);
   // Last, with release: a reader that sees this revision also sees its limit, status and state.
-  seg_->applied_revision.store(result.revision, std::memory_order_release);
+  seg->applied_revision.store(result.revision, std::memory_order_release);
 }
 
 void ControlSegment::apply_request(std::uint64_t limit, std::uint64_t revision) {
   try {
     record_limit(allocator_->set_memory_limit(limit, revision));
-    if (revision > seg_->handled_revision.load(std::memory_order_relaxed)) {
-      seg_->handled_revision.store(revision, std::memory_order_release);  // after the outcome: readers wait on it
+    SegmentLayout* seg = seg_.load(std::memory_order_acquire);
+    if (revision > seg->handled_revision.load(std::memory_order_relaxed)) {
+      seg->handled_revision.store(revision, std::memory_order_release);  // after the outcome: readers wait on it
     }
   } catch (const std::exception&) {
     // The manager closed under us: nothing left to limit.
@@ -199,15 +251,24 @@ void ControlSegment::apply_request(std::uint64_t limit, std::uint64_t revision) 
 }
 
 void ControlSegment::run(std::uint32_t seen) {
+  const unsigned checks_every = static_cast<unsigned>(std::max(1, 1000 / poll_ms_));  // about once a second
+  unsigned turns = 0;
   while (!stop_.load(std::memory_order_acquire)) {
-    futex_wait(&seg_->request_seq, seen, poll_ms_);
+    SegmentLayout* seg = seg_.load(std::memory_order_acquire);
+    futex_wait(&seg->request_seq, seen, poll_ms_);
     if (stop_.load(std::memory_order_acquire)) break;
-    const std::uint32_t now = seg_->request_seq.load(std::memory_order_acquire);
+    // Truncated (the guard saw it), removed or replaced by another process: write the file again.
+    if (guard_->damaged() || (++turns % checks_every == 0 && !file_intact())) {
+      recreate();
+      seen = seg_.load(std::memory_order_acquire)->request_seq.load(std::memory_order_acquire);
+      continue;
+    }
+    const std::uint32_t now = seg->request_seq.load(std::memory_order_acquire);
     if (now != seen && (now & 1u) == 0) {
-      const std::uint64_t limit = seg_->request_limit_bytes.load(std::memory_order_relaxed);
-      const std::uint64_t revision = seg_->request_revision.load(std::memory_order_relaxed);
+      const std::uint64_t limit = seg->request_limit_bytes.load(std::memory_order_relaxed);
+      const std::uint64_t revision = seg->request_revision.load(std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_acquire);
-      if (seg_->request_seq.load(std::memory_order_relaxed) == now) {  // not torn by a newer request
+      if (seg->request_seq.load(std::memory_order_relaxed) == now) {  // not torn by a newer request
         seen = now;
         apply_request(limit, revision);
         continue;
@@ -220,14 +281,16 @@ void ControlSegment::run(std::uint32_t seen) {
 void ControlSegment::close() noexcept {
   if (closed_.exchange(true)) return;
   stop_.store(true, std::memory_order_release);
-  if (seg_ != nullptr) {
-    seg_->request_seq.fetch_add(2, std::memory_order_acq_rel);  // an even bump wakes the watcher at once
-    futex_wake_all(&seg_->request_seq);
+  SegmentLayout* seg = seg_.load(std::memory_order_acquire);
+  if (seg != nullptr) {
+    seg->request_seq.fetch_add(2, std::memory_order_acq_rel);  // an even bump wakes the watcher at once
+    futex_wake_all(&seg->request_seq);
   }
   if (watcher_.joinable()) watcher_.join();
   unlink(path_.c_str());
-  if (seg_ != nullptr) munmap(seg_, sizeof(SegmentLayout));
-  seg_ = nullptr;
+  seg_.store(nullptr, std::memory_order_release);
+  guard_.reset();
+  if (seg != nullptr) munmap(seg, sizeof(SegmentLayout));
 }
 
 // ---- reader side ------------------------------------------------------------------------------------
@@ -278,13 +341,21 @@ SegmentInfo read_segment(const std::string& path) {
     if (attempt > 10000) throw SegmentError(path + ": state never settled (writer stuck mid-update)");
     if (attempt > 100) sched_yield();
   }
+  m.check_intact(path);
   return info;
 }
 
 void request_limit(const std::string& path, std::uint64_t limit_bytes, std::uint64_t revision) {
   MappedSegment m;
   open_segment(path, true, m);
-  while (flock(m.fd, LOCK_EX) != 0 && errno == EINTR) {
+  // Another process may hold the lock (another kvctl, or anything of this user): wait a bounded time.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (flock(m.fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK && errno != EINTR) throw SegmentError(path + ": cannot lock: " + std::strerror(errno));
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw SegmentError(path + ": locked by another process for 2 s; nothing was requested");
+    }
+    usleep(1000);
   }
   SegmentLayout* s = m.seg;
   s->request_seq.fetch_add(1, std::memory_order_acq_rel);  // odd: writing
@@ -293,6 +364,7 @@ void request_limit(const std::string& path, std::uint64_t limit_bytes, std::uint
   s->request_seq.fetch_add(1, std::memory_order_release);  // even: a complete request
   flock(m.fd, LOCK_UN);
   futex_wake_all(&s->request_seq);
+  m.check_intact(path);
 }
 
 }  // namespace kvcached

@@ -5,6 +5,8 @@
 // requester's futex wake arrives). read_segment() and request_limit() are the readers' side (kvctl, kvtop).
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -14,6 +16,7 @@
 
 #include "blocks/block_allocator.h"
 #include "common/errors.h"
+#include "common/sigbus_guard.h"
 #include "control/segment_layout.h"
 
 namespace kvcached {
@@ -45,11 +48,22 @@ class ControlSegment {
 
  private:
   void run(std::uint32_t seen);
+  void publish_to(SegmentLayout* seg) noexcept;
   void apply_request(std::uint64_t limit, std::uint64_t revision);
+  // Builds the file under a temporary name, publishes once and renames it to path_; returns its mapping.
+  SegmentLayout* create_file();
+  // The file was truncated, removed or replaced under us: write it again at path_.
+  void recreate() noexcept;
+  // Whether path_ is still the file we map (checked about once a second by the watcher).
+  bool file_intact() const noexcept;
 
   std::string path_;
+  SegmentIdentity identity_;
+  std::uint64_t created_unix_ns_;
   std::shared_ptr<BlockAllocator> allocator_;
-  SegmentLayout* seg_ = nullptr;
+  std::atomic<SegmentLayout*> seg_{nullptr};
+  std::unique_ptr<SigbusGuard> guard_;
+  ino_t inode_ = 0;  // of the file at path_ we map: another file renamed over it, or none, is noticed
   int poll_ms_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> closed_{false};

@@ -72,7 +72,7 @@ PageTable PageTable::open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) throw SegmentError(path + ": cannot open page table: " + std::strerror(errno));
   struct stat st {};
-  if (fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) ||
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077) ||
       static_cast<std::size_t>(st.st_size) < sizeof(PageTableHeader)) {
     ::close(fd);
     throw SegmentError(path + ": not a page table of yours (owner, mode or size)");

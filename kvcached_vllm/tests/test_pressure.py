@@ -93,7 +93,7 @@ def test_own_shortfall_is_not_news_and_limit_bound_shortfall_is_not_signalled(ca
     watch.report_shortfall()
     assert record.read() is None, "a limit-bound engine signalled device pressure"
     planner.set_memory_limit(None)
-    watch.pressure.signal()  # this process's own signal
+    watch.core.pressure.signal()  # this process's own signal
     time.sleep(0.05)
     assert not watch.pending.is_set(), "an engine reacted to its own shortfall"
     assert pool.cached_free_blocks == 95

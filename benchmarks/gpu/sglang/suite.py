@@ -10,6 +10,15 @@ The vLLM harness's phases (``benchmarks/gpu/vllm/suite.py``) with SGLang in plac
 - ``serve``: one ``python -m sglang.launch_server`` without, then one with kvcached; the open-loop streaming
   client at 16 and 64 requests/s and at saturation: TTFT and TPOT p50/p99, and kvcached's map and unmap calls
   per rate.
+- ``pools``: SGLang's other KV pools: a random DeepSeek-V2-Lite-shaped model (``mla`` pool) and a random
+  Falcon-H1 hybrid (``mamba`` pool, K/V in ``mha``), plus the main model (``mha``): one server without and one
+  with kvcached each; greedy tokens of 32 prompts compared, and ``kvctl list --json`` while it runs.
+- ``release``: ``release_memory_occupation`` / ``resume_memory_occupation`` (what RL frameworks call) on an
+  ``sglang.Engine`` with the memory saver, without and with kvcached: memory before, released and resumed,
+  and greedy tokens after resuming (``release_engine.py``).
+- ``mixed``: one ``vllm serve`` and one SGLang server started at the same moment on one GPU, each with a
+  virtual KV capacity close to the whole GPU; bursts to each in turn (the vLLM harness's ``share``); vLLM
+  runs from ``KVCACHED_BENCH_VLLM_PATH`` (where its staged build is importable).
 - ``model``: only make the model.
 
 Same model as the vLLM harness (random weights, Llama-3-8B's KV shape). SGLang runs with the triton
@@ -19,15 +28,19 @@ attention backend and pytorch sampling (what the staged 0.5.16 build on the lent
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "vllm"))
 import suite as harness  # noqa: E402  (the vLLM harness: model, client, offline and serve phases)
+from models import make_tiny_hybrid_mamba, make_tiny_mla  # noqa: E402
 
 
 class SGLangServer(harness.Server):
@@ -58,9 +71,114 @@ class SGLangServer(harness.Server):
         ]
 
 
+def generate(port: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens from SGLang's native ``/generate`` (token ids in, token ids out)."""
+    body = {
+        "input_ids": prompts,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True},
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return [list(out["output_ids"]) for out in json.load(response)]
+
+
+def kvctl_rows(name: str) -> list[dict]:
+    """``kvctl list --json`` rows of instance ``name``: what a user sees of the engine's pools."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcached_core.kvctl", "list", "--json"], capture_output=True, text=True, check=True
+    )
+    return [
+        {k: row.get(k) for k in ("name", "engine", "pool_name", "device", "virtual_bytes", "mapped_bytes")}
+        for row in json.loads(out.stdout)
+        if row.get("name") == name
+    ]
+
+
+def phase_pools(args: argparse.Namespace) -> dict:
+    """Each pool kind under a real server, without and with kvcached: identity and what kvctl lists."""
+    tmp = tempfile.gettempdir()
+    models = {
+        "mha": args.model,
+        "mla": make_tiny_mla(os.path.join(tmp, "kvcached-tiny-mla")),
+        "mamba": make_tiny_hybrid_mamba(os.path.join(tmp, "kvcached-tiny-falcon-h1")),
+    }
+    result: dict = {}
+    for kind, path in models.items():
+        with open(os.path.join(path, "config.json")) as f:
+            harness.VOCAB = json.load(f)["vocab_size"]
+        prompts = harness.token_prompts(32, 256, 5)
+        runs: dict = {"model": os.path.basename(path)}
+        for side in ("vanilla", "kvcached"):
+            harness.wait_for_empty_gpus()
+            name = f"{kind}-{side}"
+            server = SGLangServer(name, 8400, path, side == "kvcached", args.out, ["--max-running-requests", "64"])
+            try:
+                runs[f"startup_s_{side}"] = server.wait_ready()
+                runs[f"tokens_{side}"] = generate(8400, prompts, 64)
+                if side == "kvcached":
+                    runs["kvctl"] = kvctl_rows(name)
+            except Exception as exc:  # one model failing must not stop the others
+                runs[f"error_{side}"] = f"{type(exc).__name__}: {exc}"[:3000]
+            finally:
+                server.stop()
+        if "tokens_vanilla" in runs and "tokens_kvcached" in runs:
+            van, kvc = runs.pop("tokens_vanilla"), runs.pop("tokens_kvcached")
+            runs["identity"] = harness.identity({"tokens": van}, {"tokens": kvc})
+        result[kind] = runs
+        harness.log(f"pools {kind}: {runs.get('identity')} {[r['pool_name'] for r in runs.get('kvctl', [])]}")
+    with open(os.path.join(args.model, "config.json")) as f:
+        harness.VOCAB = json.load(f)["vocab_size"]
+    return result
+
+
+def phase_release(args: argparse.Namespace) -> dict:
+    """release/resume_memory_occupation without and with kvcached: with SGLang's memory saver where
+    ``torch_memory_saver`` is installed, and with kvcached alone (the KV cache given back by the plugin)."""
+    script = os.path.join(HERE, "release_engine.py")
+    logfile = os.path.join(args.out, "release.log")
+    runs = [("kvcached-alone", True, [])]
+    if importlib.util.find_spec("torch_memory_saver") is not None:
+        runs = [("vanilla-saver", False, ["--memory-saver"]), ("kvcached-saver", True, ["--memory-saver"]), *runs]
+    result: dict = {}
+    for label, kvcached, extra in runs:
+        harness.log(f"release {label}")
+        result[label] = harness.run_offline_engine(args, kvcached, extra, logfile, script=script)
+    first = result[runs[0][0]].get("tokens_after")  # each run's tokens after resuming, against the first run's
+    for run in result.values():
+        run.pop("tokens_before", None)
+        after = run.pop("tokens_after", None)
+        if first is not None and after is not None:
+            run["identity_vs_first_after_resume"] = harness.identity({"tokens": first}, {"tokens": after})
+    return result
+
+
+def phase_mixed(args: argparse.Namespace) -> dict:
+    """One vLLM and one SGLang server on one GPU (the vLLM harness's bursts in turn)."""
+    vllm_path = os.environ.get("KVCACHED_BENCH_VLLM_PATH")
+    kv_path = os.environ.get("KVCACHED_BENCH_KV_PATH")
+    if not vllm_path or not kv_path:
+        raise RuntimeError("mixed needs KVCACHED_BENCH_VLLM_PATH (vLLM's staged site) and KVCACHED_BENCH_KV_PATH")
+    share = {"KVCACHED_PREFIX_CACHE_BYTES": "48G"}  # idle engines keep up to 48 GiB unless a neighbour is short
+    vllm_env = {**share, "PYTHONPATH": f"{kv_path}:{vllm_path}", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    engines = [
+        harness.Engine(
+            "vllm-A", harness.Server, ["--gpu-memory-utilization", "0.85", "--max-num-seqs", "256"], vllm_env
+        ),
+        harness.Engine(
+            "sglang-B", SGLangServer, ["--mem-fraction-static", "0.85", "--max-running-requests", "256"], share
+        ),
+    ]
+    return harness.share_bursts(args, engines, "vLLM and SGLang on one H200", "mixed.png")
+
+
+PHASES = {"serve": harness.phase_serve, "pools": phase_pools, "release": phase_release, "mixed": phase_mixed}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("phases", nargs="+", choices=["model", "offline", "serve"])
+    parser.add_argument("phases", nargs="+", choices=["model", "offline", "serve", "pools", "release", "mixed"])
     parser.add_argument("--out", required=True, help="folder for JSON and logs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
     parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
@@ -71,13 +189,16 @@ def main() -> int:
     args.model = args.model or harness.make_model(os.path.join(tempfile.gettempdir(), "kvcached-llama3-8b-kv"))
     with open(os.path.join(args.model, "config.json")) as f:
         harness.VOCAB = json.load(f)["vocab_size"]
+    harness.TOTAL = harness.gpu_bytes((args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
     for phase in args.phases:
         harness.log(f"== sglang {phase}")
         try:
+            if phase == "model":
+                continue  # made above
             if phase == "offline":
                 harness.phase_offline(args)  # writes offline.json itself, after every engine
-            elif phase == "serve":
-                harness.write(args.out, "serve", harness.phase_serve(args))
+            else:
+                harness.write(args.out, phase, PHASES[phase](args))
         except Exception as exc:  # one phase failing must not lose the others' results
             harness.log(f"{phase} failed: {type(exc).__name__}: {exc}")
             harness.write(args.out, f"{phase}_error", {"error": f"{type(exc).__name__}: {exc}"})

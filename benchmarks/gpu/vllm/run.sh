@@ -14,7 +14,8 @@
 # packed before a device call's limit. A failing phase does not stop the others; exit status 1 if any failed.
 #
 # KVCACHED_BENCH_ENGINE=sglang (what benchmarks/gpu/sglang/run.sh sets) runs the SGLang harness instead:
-# kvcached-sglang installed, benchmarks/gpu/sglang/suite.py's phases, work folder /tmp/kvbench-sglang.
+# benchmarks/gpu/sglang/suite.py's phases, work folder /tmp/kvbench-sglang. Both plugins are installed
+# into /tmp/kv either way (the SGLang harness's `mixed` phase runs a vLLM server next to an SGLang one).
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../../.." && pwd)"
 final="${1:?usage: run.sh OUT_DIR GPUS:PHASES ...}"
@@ -30,6 +31,8 @@ esac
 mkdir -p "$out" "$final"
 started=$(date +%s)
 export PYTHONUNBUFFERED=1 KVCACHED_RUNTIME_DIR="${KVCACHED_RUNTIME_DIR:-/tmp/kvcached-bench}"
+# No network there: transformers must not look for kernels on the Hub when a model is made or loaded.
+export USE_HUB_KERNELS=0 HF_HUB_OFFLINE=1
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
@@ -40,20 +43,21 @@ export PYTHONUNBUFFERED=1 KVCACHED_RUNTIME_DIR="${KVCACHED_RUNTIME_DIR:-/tmp/kvc
 cat "$out/machine.txt"
 
 # A later call on the same machine with the same sources skips the build.
-sources=$(cd "$repo" && find csrc kvcached_core "kvcached_$engine/src" CMakeLists.txt pyproject.toml -type f -print0 \
+sources=$(cd "$repo" && find csrc kvcached_core kvcached_vllm/src kvcached_sglang/src CMakeLists.txt pyproject.toml -type f -print0 \
   | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
 if [ -f "/tmp/kv/.sources-$sources" ]; then
   echo "== kvcached in /tmp/kv is built from these sources"
 else
   echo "== install kvcached into /tmp/kv"
-  if ! (cd "$repo" && "$py" -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/kv . "./kvcached_$engine") \
+  # Both plugins: each engine loads only its own, and a mixed run needs both.
+  if ! (cd "$repo" && "$py" -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/kv . ./kvcached_vllm ./kvcached_sglang) \
       > "$out/install.log" 2>&1; then
     tail -30 "$out/install.log"
     exit 1
   fi
   rm -f /tmp/kv/.sources-* && touch "/tmp/kv/.sources-$sources"
 fi
-export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}" KVCACHED_BENCH_KV_PATH=/tmp/kv
 (cd /tmp && "$py" -m "kvcached_$engine.check" > "$out/check.txt" 2>&1; head -1 "$out/check.txt"
   "$py" "$repo/benchmarks/gpu/$engine/suite.py" model --out "$out")
 

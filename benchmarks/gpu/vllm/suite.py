@@ -40,7 +40,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -103,11 +105,17 @@ def wait_for_empty_gpus(timeout: float = 180) -> float:
 
 
 def run_offline_engine(
-    args: argparse.Namespace, kvcached: bool, extra: list[str], logfile: str, env: dict[str, str] | None = None
+    args: argparse.Namespace,
+    kvcached: bool,
+    extra: list[str],
+    logfile: str,
+    env: dict[str, str] | None = None,
+    script: str | None = None,
 ) -> dict:
-    """One offline engine (``args.offline_engine``, a script printing ``RESULT {json}``) in a process of its own."""
+    """One offline engine (``script``, default ``args.offline_engine``: a script taking the model and printing
+    ``RESULT {json}``) in a process of its own."""
     wait_for_empty_gpus()
-    cmd = [sys.executable, args.offline_engine, args.model, *extra]
+    cmd = [sys.executable, script or args.offline_engine, args.model, *extra]
     with open(logfile, "a") as f:
         f.write(f"\n=== kvcached={kvcached} {' '.join(extra)} {env or ''}\n")
         f.flush()
@@ -277,10 +285,15 @@ class Server:
             return f.read().splitlines()
 
     def metric(self, name: str) -> float | None:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(name) and not line.startswith("#"):
-                    return float(line.rsplit(" ", 1)[1])
+        """A Prometheus counter of the server, or None (not exported by this engine or not enabled)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except urllib.error.URLError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                return float(line.rsplit(" ", 1)[1])
         return None
 
     def stop(self) -> None:
@@ -460,13 +473,35 @@ def phase_share(args: argparse.Namespace, count: int) -> dict:
     """Bursts of 256 requests (2048 prompt + 1024 generated tokens: up to 96 GiB of KV) to each engine in
     turn. Idle engines keep up to 48 GiB of cached prefixes (KVCACHED_PREFIX_CACHE_BYTES, as vLLM without
     kvcached would keep all), so the busy engine runs short unless they give them back (the pressure policy)."""
-    names = [f"engine-{chr(65 + i)}" for i in range(count)]
     util = {2: "0.85", 3: "0.8"}[count]
     extra = ["--gpu-memory-utilization", util, "--max-num-seqs", "256"]
     env = {"KVCACHED_PREFIX_CACHE_BYTES": "48G"}
+    engines = [Engine(f"engine-{chr(65 + i)}", Server, extra, env) for i in range(count)]
+    result = share_bursts(args, engines, f"{count} vLLM engines on one H200", f"share_x{count}.png")
+    result["gpu_memory_utilization"] = float(util)
+    return result
+
+
+@dataclass
+class Engine:
+    """One server of a sharing run: its name, its server class, its extra flags and environment."""
+
+    name: str
+    server: type[Server]
+    extra: list[str]
+    env: dict[str, str]
+
+
+def share_bursts(args: argparse.Namespace, engines: list[Engine], title: str, png: str) -> dict:
+    """Start ``engines`` at the same moment on one GPU, then send a burst to each in turn (and, with two, to
+    the first again); sample every engine's mapped KV, report peaks, hand-overs and failures, plot."""
+    names = [e.name for e in engines]
+    count = len(engines)
     wait_for_empty_gpus()
-    servers = [Server(n, 8200 + i, args.model, True, args.out, extra, args.gpu, env) for i, n in enumerate(names)]
-    result: dict = {"engines": names, "gpu_memory_utilization": float(util), "bursts": [], "gpu_bytes": TOTAL}
+    servers = [
+        e.server(e.name, 8200 + i, args.model, True, args.out, e.extra, args.gpu, e.env) for i, e in enumerate(engines)
+    ]
+    result: dict = {"engines": names, "bursts": [], "gpu_bytes": TOTAL}
     try:
         result["startup_s"] = {s.name: s.wait_ready() for s in servers}  # started at the same moment
         result["virtual_kv_bytes"] = {n: sum(p["virtual_bytes"] for p in pools_of(n)) for n in names}
@@ -495,6 +530,11 @@ def phase_share(args: argparse.Namespace, count: int) -> dict:
                 f"share x{count}: burst {name} peak {result['bursts'][-1]['peak_bytes'] / GiB:.1f} GiB, "
                 f"failed {stats['failed']}"
             )
+            if i == 0:  # what kvtop shows with every engine up and one of them holding memory
+                top = subprocess.run(
+                    [sys.executable, "-m", "kvcached_core.kvtop", "--once"], capture_output=True, text=True
+                )
+                result["kvtop"] = (top.stdout + top.stderr).splitlines()
             time.sleep(1)
         time.sleep(2)
         samples = sampler.stop()
@@ -507,7 +547,7 @@ def phase_share(args: argparse.Namespace, count: int) -> dict:
         result["handover"] = [handover(samples, prev, nxt) for prev, nxt in pairs]
         result["sum_of_peaks_over_gpu"] = sum(b["peak_bytes"] for b in result["bursts"][:count]) / TOTAL
         result["gave_back_log"] = [line for s in servers for line in s.tail_lines() if "gave back" in line]
-        plot(samples, names, result["bursts"], os.path.join(args.out, f"share_x{count}.png"))
+        plot(samples, names, result["bursts"], os.path.join(args.out, png), title)
     except RuntimeError as exc:
         result["error"] = str(exc)
     finally:
@@ -546,7 +586,7 @@ def gpu_bytes(index: str) -> int:
     return int(out.stdout.split()[0]) << 20
 
 
-def plot(samples: list[dict], names: list[str], bursts: list[dict], path: str) -> None:
+def plot(samples: list[dict], names: list[str], bursts: list[dict], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -562,7 +602,7 @@ def plot(samples: list[dict], names: list[str], bursts: list[dict], path: str) -
         ax.axvspan(b["start"], b["end"], alpha=0.08)
     ax.set_xlabel("seconds")
     ax.set_ylabel("mapped KV (GiB)")
-    ax.set_title(f"{len(names)} vLLM engines on one H200, bursts in turn (kvcached)")
+    ax.set_title(f"{title}, bursts in turn (kvcached)")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

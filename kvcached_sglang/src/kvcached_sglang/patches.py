@@ -15,6 +15,7 @@ from .allocators import (
     ElasticTokenToKVPoolAllocatorFlagGroups,
     use_elastic_mamba_allocator,
 )
+from .cache_policy import keep_cache_within_budget, release_kv_memory, report_waiting_for_memory
 from .capacity import (
     check_full_pool_logically,
     check_mamba_pool_logically,
@@ -27,6 +28,7 @@ _POOLS = "sglang.srt.mem_cache.memory_pool"
 _ALLOC = "sglang.srt.mem_cache.allocator"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 _LAYOUT = "sglang.srt.mem_cache.layout"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 # Where SGLang changed what the plugin relies on:
 PAGED_FREE_INLINE = Releases("0.5.16", "0.5.17")  # paged free() puts pages back itself
@@ -134,6 +136,28 @@ PATCHES: tuple[Patch, ...] = (
         check_mamba_pool_logically,
         "idle leak check counts unmapped free Mamba slots as free",
     ),
+    Patch(
+        "idle-cache-budget",
+        f"{_SCHEDULER}.on_idle",
+        "around",
+        keep_cache_within_budget,
+        "an idle engine keeps KVCACHED_PREFIX_CACHE_BYTES of radix cache mapped, gives back under pressure",
+    ),
+    Patch(
+        "report-shortfall",
+        f"{_SCHEDULER}.get_next_batch_to_run",
+        "after",
+        report_waiting_for_memory,
+        "requests waiting for memory the device lacks ask other engines to give back",
+    ),
+    Patch(
+        "release-kv-memory",
+        "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+        ".release_memory_occupation",
+        "after",
+        release_kv_memory,
+        "release_memory_occupation unmaps the flushed KV pages at once",
+    ),
 )
 
 # Engine symbols the plugin relies on without patching them: checked at load like the targets.
@@ -157,4 +181,7 @@ USED_SYMBOLS: tuple[str | Uses, ...] = (
     Uses(f"{_LAYOUT}.token_major.mamba_entry_bytes", TOKEN_MAJOR),
     "sglang.srt.utils.get_num_new_pages",
     "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats",
+    f"{_SCHEDULER}.is_fully_idle",
+    "sglang.srt.mem_cache.base_prefix_cache.EvictParams",
+    "sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE",
 )

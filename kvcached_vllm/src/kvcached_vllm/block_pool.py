@@ -171,14 +171,8 @@ class ElasticBlockPool(BlockPool):
         return self._manager.trim() if self._manager is not None else 0
 
     def physically_short(self) -> bool:
-        """Whether the memory kvcached can map now, not this engine's limit or virtual capacity, is what
-        stops it from handing out more blocks."""
-        snap = self._manager.snapshot()
-        step = self._manager.page_bytes * self._manager.num_buffers
-        limit = snap["limit_bytes"]
-        if limit is not None and snap["mapped_bytes"] + step > limit:
-            return False
-        return snap["allocated_blocks"] + self._blocks_per_page < snap["total_blocks"]
+        """Whether the device, not this engine's limit or virtual capacity, stops it handing out more blocks."""
+        return self._manager is not None and self._manager.physically_short()
 
     def _owns(self, block: KVCacheBlock) -> bool:
         """Whether ``block`` belongs to this pool (0.30 on: blocks of other pools can be freed through it)."""

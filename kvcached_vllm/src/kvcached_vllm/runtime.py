@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcached_core import KVCacheManager, PageMirror, load_settings
-from kvcached_core.pressure import DevicePressure
+from kvcached_core.pressure import PressureWatch as CoreWatch
 
 logger = logging.getLogger("vllm.kvcached")
 
@@ -92,45 +92,32 @@ def _sync_while_idle(stop: threading.Event, interval: float) -> None:
 
 
 class PressureWatch:
-    """EngineCore side of device pressure (:mod:`kvcached_core.pressure`), one per EngineCore process.
+    """EngineCore side of device pressure (:class:`kvcached_core.pressure.PressureWatch`), one per EngineCore
+    process.
 
     Policy: when another engine on this device could not get memory, this engine gives back its cached
     prefix blocks (no request uses them), least recently used first and whole idle pages first, down to
     ``KVCACHED_PREFIX_CACHE_FLOOR_BYTES``, and unmaps the empty pages it keeps for its own recent demand.
-    Blocks in use are never taken. The give-back runs on the
-    scheduler's own thread, between two of its turns: a watcher thread notices the shortfall and wakes the
-    engine loop, whose next client request (or the wake-up itself) runs :meth:`run_pending` first. When this
-    engine falls short itself (the device, not its own limit, is full), :meth:`report_shortfall` tells the
-    others.
+    Blocks in use are never taken. The give-back runs on the scheduler's own thread, between two of its
+    turns: the core's watcher notices the shortfall and wakes the engine loop, whose next client request (or
+    the wake-up itself) runs :meth:`run_pending` first. When this engine falls short itself (the device, not
+    its own limit, is full), :meth:`report_shortfall` tells the others.
     """
-
-    MIN_SIGNAL_INTERVAL_S = 0.05  # a scheduler retries every step: one signal per 50 ms is enough
 
     def __init__(self, device: str) -> None:
         settings = load_settings()
-        self.pressure = DevicePressure(settings, device)
         self.floor_bytes = settings.prefix_cache_floor_bytes
         self.pools: list[Any] = []  # ElasticBlockPool, this process's
         self.engine: Any = None  # vLLM's EngineCoreProc, seen at its first client request
-        self.pending = threading.Event()
         self.given_back = 0  # blocks, for tests and logs
-        self._last_signal = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kvcached-pressure", daemon=True)
-        self._thread.start()
+        self.core = CoreWatch(settings, device, self._has_spare, self._wake_engine)
 
-    def _watch(self) -> None:
-        interval = load_settings().watch_interval_ms / 1000
-        while not self._stop.wait(interval):
-            try:
-                shortfall = self.pressure.poll()
-            except OSError:
-                continue
-            if shortfall is not None and any(
-                p.cached_free_blocks > self._floor_blocks(p) or p.has_idle_pages() for p in self.pools
-            ):
-                self.pending.set()
-                self._wake_engine()
+    @property
+    def pending(self) -> threading.Event:
+        return self.core.pending
+
+    def _has_spare(self) -> bool:
+        return any(p.cached_free_blocks > self._floor_blocks(p) or p.has_idle_pages() for p in self.pools)
 
     def _floor_blocks(self, pool: Any) -> int:
         return prefix_cache_blocks(pool.num_gpu_blocks, self.floor_bytes)
@@ -146,9 +133,8 @@ class PressureWatch:
     def run_pending(self) -> None:
         """On the scheduler's thread: give back cached prefix blocks and idle pages if another engine fell
         short."""
-        if not self.pending.is_set():
+        if not self.core.take_pending():
             return
-        self.pending.clear()
         given = sum(pool.shrink_prefix_cache(self._floor_blocks(pool)) for pool in self.pools)
         unmapped = sum(pool.trim() for pool in self.pools)
         if given or unmapped:
@@ -162,18 +148,10 @@ class PressureWatch:
     def report_shortfall(self) -> None:
         """The scheduler could not get blocks: tell the other engines on this device, when the device (not
         this engine's limit or virtual capacity) is what is short."""
-        now = time.monotonic()
-        if now - self._last_signal < self.MIN_SIGNAL_INTERVAL_S:
-            return
-        self._last_signal = now
-        if any(pool.physically_short() for pool in self.pools):
-            try:
-                self.pressure.signal()
-            except OSError as exc:
-                logger.warning("kvcached: cannot signal memory pressure: %s", exc)
+        self.core.report_shortfall(lambda: any(pool.physically_short() for pool in self.pools))
 
     def close(self) -> None:
-        self._stop.set()
+        self.core.close()
 
 
 _watch: dict[int, PressureWatch] = {}  # pid -> this EngineCore's pressure watch
