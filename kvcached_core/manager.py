@@ -204,6 +204,12 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             time.sleep(0.005)
         return ids
 
+    def has_idle_pages(self) -> bool:
+        """Whether pages that hold no allocated block are mapped (kept for the recent demand, for up to two
+        ``KVCACHED_RECLAIM_DELAY_MS`` windows): memory :meth:`trim` would give back now."""
+        snap = self.snapshot()
+        return snap["mapped_pages"] > snap["used_pages"]
+
     def physically_short(self) -> bool:
         """Whether what the device lets this manager map now, not its memory limit or its virtual capacity,
         is what stops it from handing out one more page of blocks: when that is so, other engines on the

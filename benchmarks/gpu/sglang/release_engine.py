@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm"))
-from offline_engine import identity_prompts  # noqa: E402  (the vLLM harness's)
+from offline_engine import identity_prompts, pools  # noqa: E402  (the vLLM harness's)
 
 
 def memory(name: str) -> dict:
@@ -27,12 +27,7 @@ def memory(name: str) -> dict:
         capture_output=True,
         text=True,
     ).stdout.split()
-    mapped = 0
-    if os.environ.get("KVCACHED_ENABLE", "1") != "0":
-        from kvcached_core import load_settings, segment
-
-        rows = segment.rows(segment.scan(segment.segment_dir(load_settings())).live)
-        mapped = sum(r["mapped_bytes"] for r in rows if r["name"] == name)
+    mapped = sum(r["mapped_bytes"] for r in pools("sglang") if r["name"] == name)
     return {"gpu_used_mib": int(used[0]) if used else None, "kvcached_mapped_bytes": mapped}
 
 

@@ -60,7 +60,7 @@ class CachePolicy:
         sizes are fine: the give-back itself runs on the scheduler's thread)."""
         if self._evictable_tokens() > self.floor_tokens:
             return True
-        return any(snap["mapped_pages"] > snap["used_pages"] for snap in (m.snapshot() for m in self.managers))
+        return any(m.has_idle_pages() for m in self.managers)
 
     def _evict_down_to(self, keep_tokens: int) -> int:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams

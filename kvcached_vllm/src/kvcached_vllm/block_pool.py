@@ -161,10 +161,7 @@ class ElasticBlockPool(BlockPool):
     def has_idle_pages(self) -> bool:
         """Whether pages that hold no allocated block are mapped (kvcached keeps the engine's recent demand
         mapped for up to two ``KVCACHED_RECLAIM_DELAY_MS`` windows)."""
-        if self._manager is None:
-            return False
-        snap = self._manager.snapshot()
-        return snap["mapped_pages"] > snap["used_pages"]
+        return self._manager is not None and self._manager.has_idle_pages()
 
     def trim(self) -> int:
         """Unmap every page no allocated block is on, now; returns the bytes given back."""
