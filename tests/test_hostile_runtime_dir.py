@@ -249,7 +249,7 @@ def test_a_live_segment_torn_down_under_its_owner_is_written_again_and_the_owner
         stranger.write_bytes(os.urandom(path.stat().st_size))
         stranger.chmod(0o600)
         stranger.rename(path)
-    assert wait_for(lambda: [seg.info["name"] for seg in scan(segment_dir(s)).live] == ["owner"], timeout=5)
+    assert wait_for(lambda: [seg.info["name"] for seg in scan(segment_dir(s)).live] == ["owner"], timeout=15)
     assert kvctl.main(["--runtime-dir", runtime, "limit", "owner", "1M"]) == 0
     capsys.readouterr()
     proc.stdin.write("\n")

@@ -48,15 +48,16 @@ void capsule_destructor(PyObject* capsule) {
   }
 }
 
-// A flat uint8 view of [offset, offset + nbytes) of one buffer starting at `address`.
-py::object export_view(std::shared_ptr<Reservation> reservation, std::uintptr_t address, std::size_t stride,
-                       std::int64_t offset, std::int64_t nbytes) {
-  if (offset < 0 || nbytes <= 0 || static_cast<std::size_t>(offset + nbytes) > stride)
+// A flat uint8 view of [offset, offset + nbytes) of the region's memory from `address`; the view keeps the
+// address range reserved until the consumer drops it.
+py::object export_view(const PagedRegion& region, std::uintptr_t address, std::size_t limit, std::int64_t offset,
+                       std::int64_t nbytes) {
+  if (offset < 0 || nbytes <= 0 || static_cast<std::size_t>(offset + nbytes) > limit)
     throw InvalidArgument("byte range [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
-                          ") is outside a buffer of " + std::to_string(stride) + " bytes");
+                          ") is outside a buffer of " + std::to_string(limit) + " bytes");
   auto* view = new ExportedView();
-  MemoryBackend& backend = reservation->backend();
-  view->reservation = std::move(reservation);
+  const MemoryBackend& backend = region.backend();
+  view->reservation = region.reservation();
   view->shape[0] = nbytes;
   DLTensor& t = view->managed.dl_tensor;
   t.data = reinterpret_cast<void*>(address + static_cast<std::size_t>(offset));
@@ -76,32 +77,29 @@ py::object export_view(std::shared_ptr<Reservation> reservation, std::uintptr_t 
   return py::reinterpret_steal<py::object>(capsule);
 }
 
-py::object export_bytes(const BlockAllocator& a, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
-  if (a.closed()) throw ClosedError("this KV cache manager is closed: its memory cannot be viewed");
-  if (a.backend().name() == "planner")
-    throw InvalidArgument("this manager only plans: its memory lives in the workers (use PageMirror there)");
-  return export_view(a.reservation(), a.buffer_address(buffer), a.buffer_stride(), offset, nbytes);
+// [offset, offset + nbytes) of one buffer.
+py::object export_bytes(const PagedRegion& region, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
+  return export_view(region, region.buffer_address(buffer), region.buffer_stride(), offset, nbytes);
 }
 
 // Every buffer at once: [base, base + num_buffers * buffer_stride), the form of an engine that strides all
 // layers over one backing buffer.
-py::object export_all(const BlockAllocator& a) {
+py::object export_all(const PagedRegion& region) {
+  const std::size_t total = region.buffer_stride() * region.num_buffers();
+  return export_view(region, region.buffer_address(0), total, 0, static_cast<std::int64_t>(total));
+}
+
+// The memory a view of this allocator would show; only an open allocator that holds its own memory has any.
+const PagedRegion& viewable(const BlockAllocator& a) {
   if (a.closed()) throw ClosedError("this KV cache manager is closed: its memory cannot be viewed");
   if (a.backend().name() == "planner")
     throw InvalidArgument("this manager only plans: its memory lives in the workers (use PageMirror there)");
-  const std::size_t total = a.buffer_stride() * static_cast<std::size_t>(a.config().num_buffers);
-  return export_view(a.reservation(), a.buffer_address(0), total, 0, static_cast<std::int64_t>(total));
+  return a.region();
 }
 
-py::object export_mirror_all(const PageMirror& m) {
+const PagedRegion& viewable(const PageMirror& m) {
   if (m.closed()) throw ClosedError("this page mirror is closed: its memory cannot be viewed");
-  const std::size_t total = m.buffer_stride() * static_cast<std::size_t>(m.num_buffers());
-  return export_view(m.reservation(), m.buffer_address(0), total, 0, static_cast<std::int64_t>(total));
-}
-
-py::object export_mirror_bytes(const PageMirror& m, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
-  if (m.closed()) throw ClosedError("this page mirror is closed: its memory cannot be viewed");
-  return export_view(m.reservation(), m.buffer_address(buffer), m.buffer_stride(), offset, nbytes);
+  return m.region();
 }
 
 // Snapshots are polled by collectors: built with the C API (a quarter of pybind11's per-item cost).
@@ -345,8 +343,10 @@ PYBIND11_MODULE(_native, m) {
       .def("_snapshot", &snapshot_dict)
       .def("operation_snapshot", &operation_snapshot,
            "Cumulative operation counters and the last error, copied without taking the allocator lock.")
-      .def("_export_bytes", &export_bytes, py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
-      .def("_export_all", &export_all)
+      .def("_export_bytes", [](const BlockAllocator& a, std::int64_t buffer, std::int64_t offset,
+                               std::int64_t nbytes) { return export_bytes(viewable(a), buffer, offset, nbytes); },
+           py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
+      .def("_export_all", [](const BlockAllocator& a) { return export_all(viewable(a)); })
       .def_property_readonly("page_bytes", &BlockAllocator::page_bytes)
       .def_property_readonly("buffer_stride", &BlockAllocator::buffer_stride)
       .def_property_readonly("_backend_name", [](const BlockAllocator& a) { return a.backend().name(); })
@@ -402,7 +402,7 @@ PYBIND11_MODULE(_native, m) {
              g.num_layers = num_layers;
              g.num_kv_buffers = num_kv_buffers;
              g.page_bytes = static_cast<std::int64_t>(a.page_bytes());
-             g.num_pages = static_cast<std::int64_t>(a.buffer_stride() / a.page_bytes());
+             g.num_pages = static_cast<std::int64_t>(a.region().num_pages());
              return std::make_shared<PageTable>(PageTable::create(path, g));
            }, py::arg("path"), py::arg("allocator"), py::arg("num_layers"), py::arg("num_kv_buffers"))
       .def_property_readonly("path", &PageTable::path)
@@ -426,7 +426,7 @@ PYBIND11_MODULE(_native, m) {
       .def("close", &PageMirror::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &PageMirror::closed)
       .def_property_readonly("mapped_pages", &PageMirror::mapped_pages)
-      .def_property_readonly("buffer_stride", &PageMirror::buffer_stride)
+      .def_property_readonly("buffer_stride", [](const PageMirror& mirror) { return mirror.region().buffer_stride(); })
       .def_property_readonly("geometry", [](const PageMirror& mirror) {
              const PageTableGeometry& g = mirror.geometry();
              return DictBuilder()
@@ -438,6 +438,8 @@ PYBIND11_MODULE(_native, m) {
                  .set("num_pages", g.num_pages)
                  .done();
            })
-      .def("_export_bytes", &export_mirror_bytes, py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
-      .def("_export_all", &export_mirror_all);
+      .def("_export_bytes", [](const PageMirror& mirror, std::int64_t buffer, std::int64_t offset,
+                               std::int64_t nbytes) { return export_bytes(viewable(mirror), buffer, offset, nbytes); },
+           py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
+      .def("_export_all", [](const PageMirror& mirror) { return export_all(viewable(mirror)); });
 }

@@ -46,15 +46,13 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
   }
 
   const std::size_t data_bytes = static_cast<std::size_t>(c.num_blocks) * block;
-  buffer_stride_ = round_up(data_bytes, page_bytes_);
-  const std::size_t num_pages = buffer_stride_ / page_bytes_;
+  const std::size_t num_pages = round_up(data_bytes, page_bytes_) / page_bytes_;
   if (num_pages > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
     throw InvalidArgument("too many pages: raise page_bytes");
 
   pages_.resize(num_pages);
   block_page_.assign(static_cast<std::size_t>(c.num_blocks), -1);
   allocated_.assign(static_cast<std::size_t>(c.num_blocks), 0);
-  handles_.assign(num_pages * static_cast<std::size_t>(c.num_buffers), 0);
   min_capacity_ = std::numeric_limits<std::int32_t>::max();
   for (std::size_t p = 0; p < num_pages; ++p) {
     Page& page = pages_[p];
@@ -80,18 +78,14 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
   }
   unmapped_pages_.store(static_cast<std::int64_t>(unmapped_.size()));
 
-  reservation_ = std::make_shared<Reservation>(backend_, buffer_stride_ * static_cast<std::size_t>(c.num_buffers));
-  PagePoolConfig pool_config;
-  pool_config.handle_bytes = page_bytes_;
-  pool_config.target = static_cast<std::size_t>(c.pool_target);
-  pool_config.max_pooled = static_cast<std::size_t>(c.pool_max);
-  pool_ = std::make_unique<PagePool>(backend_, pool_config);
+  region_ = std::make_unique<PagedRegion>(backend_, page_bytes_, num_pages, static_cast<std::size_t>(c.num_buffers),
+                                          static_cast<std::size_t>(c.pool_target), static_cast<std::size_t>(c.pool_max));
 
   if (c.reserve_null_block) {
     if (block_page_[0] < 0) throw InvalidArgument("block 0 straddles a page; cannot reserve it");
     std::lock_guard<std::mutex> lock(mu_);
     if (map_next_page() != MapResult::kMapped) {
-      pool_->shutdown();
+      region_->pool().shutdown();
       throw BackendError("no physical memory for the page of the reserved null block", -1);
     }
     std::vector<std::int32_t> null_block;
@@ -103,12 +97,6 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
 
 BlockAllocator::~BlockAllocator() { close(); }
 
-std::uintptr_t BlockAllocator::buffer_address(std::int64_t buffer) const {
-  if (buffer < 0 || buffer >= config_.num_buffers)
-    throw InvalidArgument("buffer index " + std::to_string(buffer) + " out of range [0, " +
-                          std::to_string(config_.num_buffers) + ")");
-  return reservation_->base() + static_cast<std::size_t>(buffer) * buffer_stride_;
-}
 
 void BlockAllocator::attach_page_table(std::shared_ptr<PageTable> table) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -120,6 +108,12 @@ void BlockAllocator::attach_page_table(std::shared_ptr<PageTable> table) {
 
 void BlockAllocator::check_open() const {
   if (closed()) throw ClosedError("this KV cache manager is closed");
+}
+
+void BlockAllocator::count_calls(const PageCalls& calls) {
+  count(counters_.page_maps_total, calls.maps);
+  count(counters_.page_unmaps_total, calls.unmaps);
+  count(counters_.mapping_errors_total, calls.errors);
 }
 
 void BlockAllocator::record_error(const std::exception& error) {
@@ -222,42 +216,17 @@ void BlockAllocator::return_block(std::int32_t block) {
 BlockAllocator::MapResult BlockAllocator::map_next_page() {
   if (unmapped_.empty()) return MapResult::kNoPage;
   const std::int32_t page_id = unmapped_.back();
-  const auto n = static_cast<std::size_t>(config_.num_buffers);
-  PhysHandle* handles = &handles_[static_cast<std::size_t>(page_id) * n];
-  const std::size_t offset = static_cast<std::size_t>(page_id) * page_bytes_;
-  std::size_t mapped = 0;
-  auto undo = [&] {
-    for (std::size_t i = 0; i < mapped; ++i) {
-      try {
-        backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + offset, page_bytes_);
-        count(counters_.page_unmaps_total);
-        if (backend_->handle_survives_unmap()) pool_->give_back(handles[i]);
-      } catch (...) {
-        count(counters_.mapping_errors_total);  // the first error is the one reported
-      }
-    }
-  };
-  for (std::size_t i = 0; i < n; ++i) {
-    std::optional<PhysHandle> h = pool_->take();
-    if (!h) {
-      undo();
-      return MapResult::kNoMemory;
-    }
-    try {
-      const std::uintptr_t addr = buffer_address(static_cast<std::int64_t>(i)) + offset;
-      backend_->map(addr, page_bytes_, *h);
-      count(counters_.page_maps_total);
-      handles[i] = *h;
-      ++mapped;
-      if (config_.zero_on_map) backend_->zero(addr, page_bytes_);
-    } catch (const std::exception& e) {
-      if (mapped < i + 1) pool_->give_back(*h);  // never mapped: still holds its memory
-      count(counters_.mapping_errors_total);
-      undo();
-      record_error(e);
-      throw;
-    }
+  PageCalls calls;
+  bool mapped = false;
+  try {
+    mapped = region_->map_page(static_cast<std::size_t>(page_id), config_.zero_on_map, calls);
+  } catch (const std::exception& e) {
+    count_calls(calls);
+    record_error(e);
+    throw;
   }
+  count_calls(calls);
+  if (!mapped) return MapResult::kNoMemory;
   unmapped_.pop_back();
   if (page_id == tail_page_) tail_unmapped_.store(false, std::memory_order_relaxed);
   if (page_table_) page_table_->set_page(page_id, true);  // before any block of it is handed out
@@ -390,7 +359,8 @@ std::int64_t BlockAllocator::available_size() const noexcept {
   }
   // New pages: bounded by unmapped pages, the limit, and physical memory (pool + cached device free).
   const std::int64_t by_limit = allowed - mapped_pages_.load(std::memory_order_relaxed);
-  const auto handles = static_cast<std::int64_t>(pool_->ready() + pool_->cached_free_bytes() / page_bytes_);
+  const PagePool& pool = region_->pool();
+  const auto handles = static_cast<std::int64_t>(pool.ready() + pool.cached_free_bytes() / page_bytes_);
   const std::int64_t by_memory = handles / config_.num_buffers;
   const std::int64_t unmapped = unmapped_pages_.load(std::memory_order_relaxed);
   const std::int64_t fresh = std::max<std::int64_t>(0, std::min({headroom, by_limit, by_memory, unmapped}));
@@ -425,35 +395,30 @@ void BlockAllocator::request_reclaim() {
 }
 
 void BlockAllocator::unmap_pages(const std::vector<std::int32_t>& victims) {
-  const auto n = static_cast<std::size_t>(config_.num_buffers);
-  std::uint64_t errors = 0;
+  PageCalls calls;
   try {
     backend_->fence();  // work launched before the blocks were freed must finish before their pages go
   } catch (const std::exception& e) {
     record_error(e);
-    ++errors;
+    ++calls.errors;
   }
   for (const std::int32_t page_id : victims) {
     const auto p = static_cast<std::size_t>(page_id);
+    const std::exception_ptr error = region_->unmap_page(p, calls);
     PageState outcome = PageState::kUnmapped;
-    std::uint64_t unmaps = 0;
-    for (std::size_t i = 0; i < n; ++i) {
+    if (error) {
+      outcome = PageState::kBroken;  // never reuse a page in an unknown state
       try {
-        backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + p * page_bytes_, page_bytes_);
-        ++unmaps;
-        if (backend_->handle_survives_unmap()) pool_->give_back(handles_[p * n + i]);
+        std::rethrow_exception(error);
       } catch (const std::exception& e) {
         record_error(e);
-        ++errors;
-        outcome = PageState::kBroken;  // never reuse a page in an unknown state
       }
     }
     // Page by page, so mapped_bytes never lags memory already given back (another engine may hold it).
     std::lock_guard<std::mutex> lock(mu_);
-    count(counters_.page_unmaps_total, unmaps);
-    count(counters_.mapping_errors_total, errors);
+    count_calls(calls);
     count(counters_.manager_page_releases_total);
-    errors = 0;
+    calls = PageCalls{};
     if (page_table_) page_table_->set_page(page_id, false);
     pages_[p].state = outcome;
     bump(mapped_pages_, std::int64_t{-1});
@@ -555,7 +520,7 @@ void BlockAllocator::close() {
     }
   }
   if (!mapped.empty()) unmap_pages(mapped);
-  pool_->shutdown();
+  region_->pool().shutdown();
 }
 
 AllocatorSnapshot BlockAllocator::snapshot() const noexcept {
@@ -570,7 +535,7 @@ AllocatorSnapshot BlockAllocator::snapshot() const noexcept {
                  static_cast<std::uint64_t>(config_.block_bytes) * static_cast<std::uint64_t>(config_.num_buffers);
   s.limit_bytes = limit_bytes_.load(std::memory_order_relaxed);
   s.limit_revision = limit_revision_.load(std::memory_order_relaxed);
-  s.pool_ready = static_cast<std::int64_t>(pool_->ready());
+  s.pool_ready = static_cast<std::int64_t>(region_->pool().ready());
   return s;
 }
 

@@ -27,9 +27,8 @@
 #include <vector>
 
 #include "backend/memory_backend.h"
-#include "backend/reservation.h"
 #include "blocks/operation_counters.h"
-#include "pages/page_pool.h"
+#include "pages/paged_region.h"
 #include "pages/page_table.h"
 
 namespace kvcached {
@@ -104,9 +103,8 @@ class BlockAllocator {
   // Geometry, for tensor views.
   const AllocatorConfig& config() const noexcept { return config_; }
   std::size_t page_bytes() const noexcept { return page_bytes_; }
-  std::size_t buffer_stride() const noexcept { return buffer_stride_; }
-  std::uintptr_t buffer_address(std::int64_t buffer) const;
-  std::shared_ptr<Reservation> reservation() const noexcept { return reservation_; }
+  std::size_t buffer_stride() const noexcept { return region_->buffer_stride(); }
+  const PagedRegion& region() const noexcept { return *region_; }
   MemoryBackend& backend() const noexcept { return *backend_; }
   // Counters and last error, read without the allocator lock.
   const OperationCounters& counters() const noexcept { return counters_; }
@@ -151,20 +149,18 @@ class BlockAllocator {
   void reclaimer_loop();
   void check_open() const;
   void record_error(const std::exception& error);
+  void count_calls(const PageCalls& calls);
 
   std::shared_ptr<MemoryBackend> backend_;
   AllocatorConfig config_;
   std::size_t page_bytes_ = 0;
-  std::size_t buffer_stride_ = 0;
-  std::shared_ptr<Reservation> reservation_;
-  std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<PagedRegion> region_;
   std::shared_ptr<PageTable> page_table_;  // written under mu_
 
   mutable std::mutex mu_;
   std::vector<Page> pages_;
   std::vector<std::int32_t> block_page_;      // page of each block, -1 for straddling blocks
   std::vector<std::uint8_t> allocated_;       // per block
-  std::vector<PhysHandle> handles_;           // [page * num_buffers + buffer]
   PageList partial_, empty_;
   std::vector<std::int32_t> unmapped_;        // stack of unmapped pages with capacity; lowest on top, tail at the bottom
   // The last page with capacity may hold few blocks (the pool ends inside it). It is kept at the bottom of

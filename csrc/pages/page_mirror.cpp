@@ -21,71 +21,36 @@ PageMirror::PageMirror(const std::string& path, std::shared_ptr<MemoryBackend> b
                        std::size_t pool_max)
     : table_(PageTable::open(path)), backend_(std::move(backend)) {
   const PageTableGeometry& g = table_.geometry();
-  page_bytes_ = static_cast<std::size_t>(g.page_bytes);
-  if (page_bytes_ == 0 || page_bytes_ % backend_->granularity() != 0)
+  const auto page_bytes = static_cast<std::size_t>(g.page_bytes);
+  if (page_bytes == 0 || page_bytes % backend_->granularity() != 0)
     throw InvalidArgument("the planner's page size (" + std::to_string(g.page_bytes) + " bytes) is not a multiple of " +
                           "this device's granularity (" + std::to_string(backend_->granularity()) + "); plan for this device");
-  buffer_stride_ = static_cast<std::size_t>(g.num_pages) * page_bytes_;
-  reservation_ = std::make_shared<Reservation>(backend_, buffer_stride_ * static_cast<std::size_t>(num_buffers()));
-  PagePoolConfig pool_config;
-  pool_config.handle_bytes = page_bytes_;
-  pool_config.target = pool_target;
-  pool_config.max_pooled = pool_max;
-  pool_ = std::make_unique<PagePool>(backend_, pool_config);
+  region_ = std::make_unique<PagedRegion>(backend_, page_bytes, static_cast<std::size_t>(g.num_pages),
+                                          static_cast<std::size_t>(g.num_layers * g.num_kv_buffers), pool_target, pool_max);
   mapped_.assign(static_cast<std::size_t>((g.num_pages + 63) / 64), 0);
-  handles_.assign(static_cast<std::size_t>(g.num_pages * num_buffers()), 0);
   slot_ = table_.claim_worker_slot();
   report(0);
 }
 
 PageMirror::~PageMirror() { close(); }
 
-std::uintptr_t PageMirror::buffer_address(std::int64_t buffer) const {
-  if (buffer < 0 || buffer >= num_buffers())
-    throw InvalidArgument("buffer index " + std::to_string(buffer) + " out of range [0, " + std::to_string(num_buffers()) + ")");
-  return reservation_->base() + static_cast<std::size_t>(buffer) * buffer_stride_;
-}
-
 void PageMirror::map_page(std::int64_t page) {
-  const auto n = static_cast<std::size_t>(num_buffers());
-  PhysHandle* handles = &handles_[static_cast<std::size_t>(page) * n];
-  std::size_t done = 0;
-  try {
-    for (; done < n; ++done) {
-      std::optional<PhysHandle> h = pool_->take();
-      if (!h) throw BackendError("out of device memory while mapping a page the scheduler planned", ENOMEM);
-      try {
-        backend_->map(buffer_address(static_cast<std::int64_t>(done)) + static_cast<std::size_t>(page) * page_bytes_,
-                      page_bytes_, *h);
-      } catch (...) {
-        pool_->give_back(*h);
-        throw;
-      }
-      handles[done] = *h;
-    }
-  } catch (...) {
-    for (std::size_t i = 0; i < done; ++i) {  // leave nothing half-mapped
-      backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + static_cast<std::size_t>(page) * page_bytes_,
-                      page_bytes_);
-      if (backend_->handle_survives_unmap()) pool_->give_back(handles[i]);
-    }
-    throw;
-  }
+  PageCalls calls;
+  if (!region_->map_page(static_cast<std::size_t>(page), false, calls))
+    throw BackendError("out of device memory while mapping a page the scheduler planned", ENOMEM);
   put_bit(mapped_, page, true);
 }
 
 void PageMirror::unmap_page(std::int64_t page) {
-  const auto n = static_cast<std::size_t>(num_buffers());
-  for (std::size_t i = 0; i < n; ++i) {
-    backend_->unmap(buffer_address(static_cast<std::int64_t>(i)) + static_cast<std::size_t>(page) * page_bytes_,
-                    page_bytes_);
-    if (backend_->handle_survives_unmap()) pool_->give_back(handles_[static_cast<std::size_t>(page) * n + i]);
-  }
+  PageCalls calls;
+  if (const std::exception_ptr error = region_->unmap_page(static_cast<std::size_t>(page), calls))
+    std::rethrow_exception(error);  // the page stays marked mapped: its state is unknown
   put_bit(mapped_, page, false);
 }
 
 void PageMirror::report(std::uint64_t generation) {
-  table_.report(slot_, pool_->ready() * page_bytes_ + pool_->cached_free_bytes(), generation);
+  const PagePool& pool = region_->pool();
+  table_.report(slot_, pool.ready() * region_->page_bytes() + pool.cached_free_bytes(), generation);
 }
 
 SyncResult PageMirror::sync() {
@@ -132,7 +97,7 @@ void PageMirror::close() {
   } catch (...) {
     // Closing must finish: what could not be unmapped is released with the process.
   }
-  pool_->shutdown();
+  region_->pool().shutdown();
   table_.release_worker_slot(slot_);
 }
 

@@ -11,9 +11,8 @@
 #include <vector>
 
 #include "backend/memory_backend.h"
-#include "backend/reservation.h"
-#include "pages/page_pool.h"
 #include "pages/page_table.h"
+#include "pages/paged_region.h"
 
 namespace kvcached {
 
@@ -40,10 +39,7 @@ class PageMirror {
   bool closed() const noexcept { return closed_; }
 
   const PageTableGeometry& geometry() const noexcept { return table_.geometry(); }
-  std::int64_t num_buffers() const noexcept { return geometry().num_layers * geometry().num_kv_buffers; }
-  std::size_t buffer_stride() const noexcept { return buffer_stride_; }
-  std::uintptr_t buffer_address(std::int64_t buffer) const;
-  std::shared_ptr<Reservation> reservation() const noexcept { return reservation_; }
+  const PagedRegion& region() const noexcept { return *region_; }
   MemoryBackend& backend() const noexcept { return *backend_; }
   std::int64_t mapped_pages() const;
 
@@ -54,15 +50,11 @@ class PageMirror {
 
   PageTable table_;
   std::shared_ptr<MemoryBackend> backend_;
-  std::size_t page_bytes_;
-  std::size_t buffer_stride_;
-  std::shared_ptr<Reservation> reservation_;
-  std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<PagedRegion> region_;
   int slot_ = -1;
   mutable std::mutex mu_;
   std::vector<std::uint64_t> mapped_;    // this worker's bitmap
   std::vector<std::uint64_t> desired_;   // scratch copy of the planner's
-  std::vector<PhysHandle> handles_;      // [page * num_buffers + buffer]
   bool closed_ = false;
 };
 
