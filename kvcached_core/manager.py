@@ -132,7 +132,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         self._page_table = None
         try:
             if mapped_by_workers:
-                self._page_table = self._open_page_table(s, backend)
+                self._page_table = self._open_page_table(s)
             if s.control:
                 self._control = self._open_control_segment(s, backend.mem_info()[1], s.watch_interval_ms)
         except BaseException:
@@ -140,14 +140,10 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             raise
         registry.register(self)
 
-    def _open_page_table(self, settings: Settings, backend: _native.PlannerBackend) -> _native.PageTable:
+    def _open_page_table(self, settings: Settings) -> _native.PageTable:
         directory = segment.page_table_dir(settings)
         path = os.path.join(directory, f"{os.getpid()}-{uuid.uuid4().hex[:12]}{segment.PAGE_TABLE_SUFFIX}")
-        table = _native.PageTable.create(path, self, self.num_layers, self.num_kv_buffers)
-        self._page_table = table  # from here on, close() removes it
-        _native._attach_page_table(self, table)
-        backend._follow(table)
-        return table
+        return self._publish_page_table(path, self.num_layers, self.num_kv_buffers)
 
     @property
     def page_table_path(self) -> str | None:
@@ -234,10 +230,9 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             _int_in("limit_bytes", limit_bytes, 0, MAX_BYTES)
         if revision is not None:
             _int_in("revision", revision, 0, MAX_BYTES)
-        result = self._set_memory_limit(limit_bytes, revision)
-        if self._control is not None:
-            self._control.record_limit(result)
-        return result
+        if self._control is not None:  # kvctl sees the outcome, and picks a later revision
+            return self._control.set_memory_limit(limit_bytes, revision)
+        return self._set_memory_limit(limit_bytes, revision)
 
     def close(self) -> None:
         """Unmap and release all memory and remove the control segment. Idempotent."""

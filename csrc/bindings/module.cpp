@@ -159,6 +159,14 @@ py::dict snapshot_dict(const BlockAllocator& a) {
       .done();
 }
 
+py::dict limit_dict(const LimitResult& r) {
+  return DictBuilder()
+      .set_str("status", limit_status_name(r.status))
+      .set_limit("limit_bytes", r.limit_bytes)
+      .set_u("revision", r.revision)
+      .done();
+}
+
 py::tuple counter_names() {
   std::vector<std::string> names;
 #define KVCACHED_NAME(name) names.emplace_back(#name);
@@ -187,7 +195,6 @@ py::dict operation_snapshot(const BlockAllocator& a) {
 }
 
 py::dict segment_dict(const SegmentInfo& i) {
-  static const char* const kStatus[] = {"none", "applied", "deferred", "stale", "conflict"};
   DictBuilder counters;
 #define KVCACHED_COUNTER_ITEM(name) counters.set_u(#name, i.counters.name);
   KVCACHED_OPERATION_COUNTERS(KVCACHED_COUNTER_ITEM)
@@ -211,7 +218,7 @@ py::dict segment_dict(const SegmentInfo& i) {
       .set_limit("applied_limit_bytes", i.applied_limit_bytes)
       .set_u("applied_revision", i.applied_revision)
       .set_u("handled_revision", i.handled_revision)
-      .set_str("limit_status", i.applied_status < 5 ? kStatus[i.applied_status] : "unknown")
+      .set_str("limit_status", limit_status_name(static_cast<LimitStatus>(i.applied_status)))
       .set_u("publish_unix_ns", i.publish_unix_ns)
       .set("total_blocks", i.total_blocks)
       .set("allocated_blocks", i.allocated_blocks)
@@ -327,12 +334,7 @@ PYBIND11_MODULE(_native, m) {
            "lower limit arrived. Virtual capacity and physical memory still bound it; None when they cannot.")
       .def("_set_memory_limit", [](BlockAllocator& a, std::optional<std::uint64_t> limit,
                                    std::optional<std::uint64_t> revision) {
-             LimitResult r = a.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision);
-             py::dict d;
-             d["status"] = r.status;
-             d["limit_bytes"] = r.limit_bytes == BlockAllocator::kNoLimit ? py::object(py::none()) : py::int_(r.limit_bytes);
-             d["revision"] = r.revision;
-             return d;
+             return limit_dict(a.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
            }, py::arg("limit_bytes"), py::arg("revision"))
       .def("trim", &BlockAllocator::trim, py::call_guard<py::gil_scoped_release>(),
            "Unmap every mapped page that holds no allocated block; returns the bytes unmapped.")
@@ -347,6 +349,8 @@ PYBIND11_MODULE(_native, m) {
                                std::int64_t nbytes) { return export_bytes(viewable(a), buffer, offset, nbytes); },
            py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
       .def("_export_all", [](const BlockAllocator& a) { return export_all(viewable(a)); })
+      .def("_publish_page_table", &BlockAllocator::publish_page_table, py::arg("path"), py::arg("num_layers"),
+           py::arg("num_kv_buffers"))
       .def_property_readonly("page_bytes", &BlockAllocator::page_bytes)
       .def_property_readonly("buffer_stride", &BlockAllocator::buffer_stride)
       .def_property_readonly("_backend_name", [](const BlockAllocator& a) { return a.backend().name(); })
@@ -362,14 +366,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("path"), py::arg("allocator"), py::arg("engine"), py::arg("device"), py::arg("name"),
            py::arg("pool_name"), py::arg("device_total_bytes"), py::arg("poll_ms"))
       .def("publish", &ControlSegment::publish)
-      .def("record_limit", [](ControlSegment& c, const py::dict& result) {
-             LimitResult r;
-             r.status = result["status"].cast<std::string>();
-             r.limit_bytes = result["limit_bytes"].is_none() ? BlockAllocator::kNoLimit
-                                                             : result["limit_bytes"].cast<std::uint64_t>();
-             r.revision = result["revision"].cast<std::uint64_t>();
-             c.record_limit(r);
-           })
+      .def("set_memory_limit", [](ControlSegment& c, std::optional<std::uint64_t> limit,
+                                  std::optional<std::uint64_t> revision) {
+             return limit_dict(c.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
+           }, py::arg("limit_bytes"), py::arg("revision"), "Set the allocator's limit and record it in the segment.")
       .def("close", &ControlSegment::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("path", &ControlSegment::path);
 
@@ -388,28 +388,12 @@ PYBIND11_MODULE(_native, m) {
              return std::make_shared<PlannerBackend>(kind == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu, index,
                                                      granularity);
            }),
-           py::arg("kind"), py::arg("device_index"), py::arg("granularity"))
-      .def("_follow", [](PlannerBackend& b, std::shared_ptr<PageTable> table) {
-             b.set_allocatable_source([table] { return table->worker_allocatable_bytes(); });
-           }, py::arg("table"), "Bound what the planner plans by what the table's workers report.");
+           py::arg("kind"), py::arg("device_index"), py::arg("granularity"));
 
   py::class_<PageTable, std::shared_ptr<PageTable>>(m, "PageTable")
-      .def_static("create", [](const std::string& path, const BlockAllocator& a, std::int64_t num_layers,
-                               std::int64_t num_kv_buffers) {
-             PageTableGeometry g;
-             g.num_blocks = a.config().num_blocks;
-             g.block_bytes = a.config().block_bytes;
-             g.num_layers = num_layers;
-             g.num_kv_buffers = num_kv_buffers;
-             g.page_bytes = static_cast<std::int64_t>(a.page_bytes());
-             g.num_pages = static_cast<std::int64_t>(a.region().num_pages());
-             return std::make_shared<PageTable>(PageTable::create(path, g));
-           }, py::arg("path"), py::arg("allocator"), py::arg("num_layers"), py::arg("num_kv_buffers"))
       .def_property_readonly("path", &PageTable::path)
       .def("unlink", &PageTable::unlink)
       .def("worker_allocatable_bytes", &PageTable::worker_allocatable_bytes);
-
-  m.def("_attach_page_table", &BlockAllocator::attach_page_table, py::arg("allocator"), py::arg("table"));
 
   py::class_<PageMirror, std::shared_ptr<PageMirror>>(m, "PageMirror")
       .def(py::init<const std::string&, std::shared_ptr<MemoryBackend>, std::size_t, std::size_t>(),

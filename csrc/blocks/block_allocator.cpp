@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 
+#include "backend/planner_backend.h"
 #include "common/errors.h"
 
 namespace kvcached {
@@ -98,12 +99,30 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
 BlockAllocator::~BlockAllocator() { close(); }
 
 
-void BlockAllocator::attach_page_table(std::shared_ptr<PageTable> table) {
-  std::lock_guard<std::mutex> lock(mu_);
-  page_table_ = std::move(table);
-  for (std::size_t p = 0; p < pages_.size(); ++p) {
-    if (pages_[p].state == PageState::kMapped) page_table_->set_page(static_cast<std::int64_t>(p), true);
+std::shared_ptr<PageTable> BlockAllocator::publish_page_table(const std::string& path, std::int64_t num_layers,
+                                                              std::int64_t num_kv_buffers) {
+  auto* planner = dynamic_cast<PlannerBackend*>(backend_.get());
+  if (planner == nullptr) throw InvalidArgument("only a planner (mapped_by_workers) publishes a page table");
+  if (num_layers <= 0 || num_kv_buffers <= 0 || num_layers * num_kv_buffers != config_.num_buffers)
+    throw InvalidArgument("num_layers * num_kv_buffers must be this allocator's " + std::to_string(config_.num_buffers) +
+                          " buffers");
+  PageTableGeometry g;
+  g.num_blocks = config_.num_blocks;
+  g.block_bytes = config_.block_bytes;
+  g.num_layers = num_layers;
+  g.num_kv_buffers = num_kv_buffers;
+  g.page_bytes = static_cast<std::int64_t>(page_bytes_);
+  g.num_pages = static_cast<std::int64_t>(region_->num_pages());
+  auto table = std::make_shared<PageTable>(PageTable::create(path, g));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    page_table_ = table;
+    for (std::size_t p = 0; p < pages_.size(); ++p) {
+      if (pages_[p].state == PageState::kMapped) page_table_->set_page(static_cast<std::int64_t>(p), true);
+    }
   }
+  planner->set_allocatable_source([table] { return table->worker_allocatable_bytes(); });
+  return table;
 }
 
 void BlockAllocator::check_open() const {
@@ -379,13 +398,13 @@ LimitResult BlockAllocator::set_memory_limit(std::uint64_t limit_bytes, std::opt
   count(counters_.resize_requests_total);
   if (rev < current_rev || (rev == current_rev && revision && limit_bytes != current)) {
     count(counters_.resize_errors_total);
-    return {rev < current_rev ? "stale" : "conflict", current, current_rev};
+    return {rev < current_rev ? LimitStatus::kStale : LimitStatus::kConflict, current, current_rev};
   }
   limit_revision_.store(rev, std::memory_order_relaxed);
   limit_bytes_.store(limit_bytes, std::memory_order_relaxed);
   request_reclaim();
   const std::uint64_t used = static_cast<std::uint64_t>(used_pages_.load(std::memory_order_relaxed)) * logical_page_bytes();
-  return {used > limit_bytes ? "deferred" : "applied", limit_bytes, rev};
+  return {used > limit_bytes ? LimitStatus::kDeferred : LimitStatus::kApplied, limit_bytes, rev};
 }
 
 // ---- reclaim ----------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "backend/memory_backend.h"
+#include "blocks/memory_limit.h"
 #include "blocks/operation_counters.h"
 #include "pages/paged_region.h"
 #include "pages/page_table.h"
@@ -44,12 +45,6 @@ struct AllocatorConfig {
   std::int64_t pool_target = 4;       // physical handles the pool thread keeps ready (0 = none)
   std::int64_t pool_max = 16;         // bound on pooled handles
   bool zero_on_map = false;           // zero pages when they are mapped
-};
-
-struct LimitResult {
-  std::string status;  // applied | deferred | stale | conflict
-  std::uint64_t limit_bytes;
-  std::uint64_t revision;
 };
 
 struct AllocatorSnapshot {
@@ -85,6 +80,7 @@ class BlockAllocator {
   // Blocks alloc() could hand out now (a lower bound). Lock-free, no driver call.
   std::int64_t available_size() const noexcept;
 
+  // Caps the physical memory this allocator may map (kNoLimit: none) under `revision` (default: the next).
   LimitResult set_memory_limit(std::uint64_t limit_bytes, std::optional<std::uint64_t> revision);
   // Unmaps every mapped page that holds no allocated block; returns the bytes unmapped.
   std::uint64_t trim();
@@ -96,9 +92,12 @@ class BlockAllocator {
 
   AllocatorSnapshot snapshot() const noexcept;
 
-  // Publishes every page this allocator maps or unmaps to `table`, starting with those mapped now, so
-  // worker processes can mirror them (a planner whose backend is a PlannerBackend).
-  void attach_page_table(std::shared_ptr<PageTable> table);
+  // For a planner (its backend is a PlannerBackend): creates the page table at `path` with this
+  // allocator's geometry, publishes every page mapped now and every later map and unmap to it, and bounds
+  // what the planner plans by what the table's workers report. InvalidArgument for any other backend or
+  // when num_layers * num_kv_buffers is not this allocator's buffer count.
+  std::shared_ptr<PageTable> publish_page_table(const std::string& path, std::int64_t num_layers,
+                                                std::int64_t num_kv_buffers);
 
   // Geometry, for tensor views.
   const AllocatorConfig& config() const noexcept { return config_; }

@@ -43,13 +43,6 @@ void futex_wake_all(std::atomic<std::uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
-LimitStatus status_of(const std::string& text) {
-  if (text == "applied") return LimitStatus::kApplied;
-  if (text == "deferred") return LimitStatus::kDeferred;
-  if (text == "stale") return LimitStatus::kStale;
-  return LimitStatus::kConflict;
-}
-
 std::string text_field(const char* field, std::size_t cap, const std::string& path, const char* name) {
   const void* end = std::memchr(field, 0, cap);
   if (end == nullptr) throw SegmentError(path + ": corrupt segment (" + name + " is not terminated)");
@@ -232,10 +225,16 @@ void ControlSegment::record_limit(const LimitResult& result) noexcept {
   SegmentLayout* seg = seg_.load(std::memory_order_acquire);
   if (seg == nullptr) return;
   seg->applied_limit_bytes.store(result.limit_bytes);
-  seg->applied_status.store(static_cast<std::uint32_t>(status_of(result.status)));
+  seg->applied_status.store(static_cast<std::uint32_t>(result.status));
   publish_to(seg);
   // Last, with release: a reader that sees this revision also sees its limit, status and state.
   seg->applied_revision.store(result.revision, std::memory_order_release);
+}
+
+LimitResult ControlSegment::set_memory_limit(std::uint64_t limit_bytes, std::optional<std::uint64_t> revision) {
+  const LimitResult result = allocator_->set_memory_limit(limit_bytes, revision);
+  record_limit(result);
+  return result;
 }
 
 void ControlSegment::apply_request(std::uint64_t limit, std::uint64_t revision) {

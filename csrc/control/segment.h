@@ -40,8 +40,9 @@ class ControlSegment {
 
   // Writes the allocator's current state (seqlock; lock-free reads of the allocator's counters).
   void publish() noexcept;
-  // Records the outcome of a limit set in-process, so kvctl sees it and picks a later revision.
-  void record_limit(const LimitResult& result) noexcept;
+  // Sets a limit on the allocator in-process and records the outcome, so kvctl sees it and picks a later
+  // revision.
+  LimitResult set_memory_limit(std::uint64_t limit_bytes, std::optional<std::uint64_t> revision);
   // Stops the watcher, removes the file and unmaps it. Idempotent.
   void close() noexcept;
   const std::string& path() const noexcept { return path_; }
@@ -50,6 +51,7 @@ class ControlSegment {
   void run(std::uint32_t seen);
   void publish_to(SegmentLayout* seg) noexcept;
   void apply_request(std::uint64_t limit, std::uint64_t revision);
+  void record_limit(const LimitResult& result) noexcept;
   // Builds the file under a temporary name, publishes once and renames it to path_; returns its mapping.
   SegmentLayout* create_file();
   // The file was truncated, removed or replaced under us: write it again at path_.

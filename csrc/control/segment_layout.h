@@ -11,14 +11,13 @@
 #include <atomic>
 #include <cstdint>
 
+#include "blocks/memory_limit.h"
 #include "blocks/operation_counters.h"
 
 namespace kvcached {
 
 constexpr std::uint64_t kSegmentMagic = 0x0131474553435654ULL;  // "TVCSEG\x31\x01" little-endian
 constexpr std::uint32_t kSegmentLayoutVersion = 2;  // 2: operation counters published
-
-enum class LimitStatus : std::uint32_t { kNone = 0, kApplied = 1, kDeferred = 2, kStale = 3, kConflict = 4 };
 
 struct SegmentLayout {
   // -- identity: written once, before the file is visible
