@@ -10,8 +10,7 @@ nothing changed); 3 a process of the instance is alive but did not take the limi
 stopped (SIGSTOP, a debugger) or busy, and takes it when it runs again, or its segment was locked by another
 process and nothing was requested there. Every wait is bounded (about a second for the acknowledgement,
 two for a lock).
-A limit applies to each process of the instance (each holds memory on its own device); inside one process
-it is split across the pools in proportion to their virtual capacity.
+The work is done by :mod:`kvcached_core.control`; this module parses arguments and prints.
 """
 
 from __future__ import annotations
@@ -19,39 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import time
-from collections import defaultdict
 from collections.abc import Sequence
 
-from . import _native
-from .config import ConfigError, load_settings
-from .segment import Scan, Segment, collect, collect_page_tables, rows, scan, segment_dir
+from . import control
+from .config import ConfigError, Settings
+from .segment import Scan
 from .units import format_bytes, parse_size
-
-ACK_TIMEOUT_S = 1.0  # how long `limit` waits for every owner to acknowledge
 
 
 class UsageError(Exception):
     """Bad input: exit 2, nothing changed."""
-
-
-class GoneError(Exception):
-    """The instance (or one of its processes) is not running: exit 1."""
-
-
-class NotTakenError(Exception):
-    """A live process of the instance did not take the request (locked segment): exit 3."""
-
-
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (``T``/``t``: stopped), or None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def warn_skipped(found: Scan, prog: str) -> None:
@@ -82,93 +59,47 @@ def format_table(table: list[dict]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
-def cmd_list(directory: str, as_json: bool) -> int:
-    found = scan(directory)
+def cmd_list(settings: Settings, as_json: bool) -> int:
+    found = control.scan_segments(settings)
     warn_skipped(found, "kvctl")
-    table = rows(found.live)
+    table = control.rows(found.live)
     print(json.dumps(table, indent=2) if as_json else format_table(table))
     if found.stale and not as_json:
         print(f"({len(found.stale)} stale segment(s) of dead processes; `kvctl gc` removes them)", file=sys.stderr)
     return 0
 
 
-def split_limit(limit: int | None, pools: Sequence[Segment]) -> list[int | None]:
-    """Shares of one process's limit for its pools, in proportion to virtual capacity; they sum to it."""
-    if limit is None:
-        return [None] * len(pools)
-    weights = [max(1, p.info["virtual_bytes"]) for p in pools]
-    total = sum(weights)
-    shares = [limit * w // total for w in weights]
-    shares[-1] += limit - sum(shares)
-    return shares
-
-
-def apply_limit(directory: str, name: str, limit_of_process) -> int:
-    """Requests a limit on every pool of ``name`` and waits for the owners to acknowledge it."""
-    found = scan(directory)
+def cmd_limit(settings: Settings, name: str, limit_of_process: control.LimitOfProcess) -> int:
+    """Sets the limit and prints one line per pool; the exit status says how it went."""
+    found = control.scan_segments(settings)
     warn_skipped(found, "kvctl")
-    targets = [s for s in found.live if s.info["name"] == name]
-    if not targets:
-        raise GoneError(f"no live instance named {name!r}; `kvctl list` shows the live ones")
-    by_pid: dict[int, list[Segment]] = defaultdict(list)
-    for seg in targets:
-        by_pid[seg.info["owner_pid"]].append(seg)
-    plan: list[tuple[Segment, int | None]] = []
-    for pools in by_pid.values():
-        pools.sort(key=lambda s: s.info["pool_name"])
-        plan.extend(zip(pools, split_limit(limit_of_process(pools), pools), strict=True))
-    revision = 1 + max(
-        max(s.info["request_revision"], s.info["applied_revision"], s.info["limit_revision"]) for s in targets
-    )
-    for seg, share in plan:
-        try:
-            _native.request_limit(seg.path, share, revision)
-        except _native.SegmentError as exc:
-            pid = seg.info["owner_pid"]
-            if seg.live:
-                raise NotTakenError(f"process {pid} of {name!r} is running but {exc}; try again") from None
-            raise GoneError(f"process {pid} of {name!r} went away: {exc}") from None
-    return report(plan, revision)
-
-
-def report(plan: list[tuple[Segment, int | None]], revision: int) -> int:
-    """Waits until each owner has acknowledged ``revision`` and prints one line per pool."""
-    deadline = time.monotonic() + ACK_TIMEOUT_S
-    pending = list(plan)
     status = 0
-    while pending:
-        still: list[tuple[Segment, int | None]] = []
-        for seg, share in pending:
-            try:
-                info = _native.read_segment(seg.path)
-            except _native.SegmentError:
-                print(f"{seg.info['name']} pid {seg.info['owner_pid']}: exited before applying the limit")
-                status = 1
-                continue
-            if info["handled_revision"] >= revision:
-                state = info["limit_status"]
-                note = (
-                    " (above it now: no new allocation until freed blocks bring it down)" if state == "deferred" else ""
-                )
-                print(
-                    f"{info['name']} pid {info['owner_pid']} pool {info['pool_name']}: "
-                    f"limit {'none' if share is None else format_bytes(share)} {state}{note}"
-                )
-            else:
-                still.append((seg, share))
-        pending = still
-        if pending and time.monotonic() > deadline:
-            for seg, _ in pending:
-                pid = seg.info["owner_pid"]
-                why = "stopped (SIGSTOP or a debugger)" if process_state(pid) in ("T", "t") else "busy"
-                print(
-                    f"{seg.info['name']} pid {pid}: limit requested, not acknowledged within {ACK_TIMEOUT_S:g} s: "
-                    f"the process is {why} and takes it when it runs again"
-                )
-            return 3
-        if pending:
-            time.sleep(0.001)
+    for o in control.set_limit(found, name, limit_of_process):
+        who = f"{o.name} pid {o.pid}"
+        share = "none" if o.share is None else format_bytes(o.share)
+        if o.status == "exited":
+            print(f"{who}: exited before applying the limit")
+            status = max(status, 1)
+        elif o.status == "pending":
+            why = "stopped (SIGSTOP or a debugger)" if o.stopped else "busy"
+            print(
+                f"{who}: limit requested, not acknowledged within {control.ACK_TIMEOUT_S:g} s: "
+                f"the process is {why} and takes it when it runs again"
+            )
+            status = 3
+        else:
+            deferred = o.status == "deferred"
+            note = " (above it now: no new allocation until freed blocks bring it down)" if deferred else ""
+            print(f"{who} pool {o.pool_name}: limit {share} {o.status}{note}")
     return status
+
+
+def cmd_gc(settings: Settings) -> int:
+    segments, tables = control.collect_stale(settings)
+    for path in segments + tables:
+        print(f"removed {path}")
+    print(f"{len(segments)} stale segment(s) and {len(tables)} stale page table(s) removed")
+    return 0
 
 
 def parse_limit(text: str) -> int | None:
@@ -218,10 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_dir(runtime_dir: str | None) -> str:
+def cli_settings(runtime_dir: str | None) -> Settings:
+    """The settings for a command line's ``--runtime-dir``; a bad environment or directory is a UsageError."""
     try:
-        settings = load_settings(**({"runtime_dir": runtime_dir} if runtime_dir else {}))
-        return segment_dir(settings)
+        settings = control.settings_for(runtime_dir)
+        control.scan_segments(settings)  # creates and checks the directories now, not halfway through a command
+        return settings
     except (ConfigError, PermissionError) as exc:
         raise UsageError(str(exc)) from None
 
@@ -229,28 +162,23 @@ def resolve_dir(runtime_dir: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        directory = resolve_dir(args.runtime_dir)
+        settings = cli_settings(args.runtime_dir)
         if args.command == "list":
-            return cmd_list(directory, args.json)
+            return cmd_list(settings, args.json)
         if args.command == "limit":
             limit = parse_limit(args.size)
-            return apply_limit(directory, args.name, lambda _pools: limit)
+            return cmd_limit(settings, args.name, lambda _pools: limit)
         if args.command == "limit-percent":
             pct = parse_percent(args.percent)
-            return apply_limit(directory, args.name, lambda pools: int(pools[0].info["device_total_bytes"] * pct / 100))
-        removed = collect(directory)
-        tables = collect_page_tables(os.path.join(os.path.dirname(directory), "pagetables"))
-        for path in removed + tables:
-            print(f"removed {path}")
-        print(f"{len(removed)} stale segment(s) and {len(tables)} stale page table(s) removed")
-        return 0
+            return cmd_limit(settings, args.name, lambda pools: int(pools[0].info["device_total_bytes"] * pct / 100))
+        return cmd_gc(settings)
     except UsageError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 2
-    except GoneError as exc:
+    except control.InstanceGone as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 1
-    except NotTakenError as exc:
+    except control.LimitNotTaken as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:

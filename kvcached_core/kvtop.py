@@ -16,8 +16,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .kvctl import UsageError, _Parser, resolve_dir, warn_skipped
-from .segment import rows, scan
+from . import control
+from .config import Settings
+from .kvctl import UsageError, _Parser, cli_settings, warn_skipped
 from .units import format_bytes
 
 BAR_WIDTH = 30
@@ -32,11 +33,11 @@ def bar(used: int, mapped: int, scale: int, width: int = BAR_WIDTH) -> str:
     return "[" + "#" * n_used + "+" * n_mapped + "." * (width - n_used - n_mapped) + "]"
 
 
-def frame(directory: str, live: bool = False) -> tuple[str, list[dict]]:
+def frame(settings: Settings, live: bool = False) -> tuple[str, list[dict]]:
     """One screen of text and the rows it shows (``live``: the refreshing view, which Ctrl-C quits)."""
-    found = scan(directory)
+    found = control.scan_segments(settings)
     warn_skipped(found, "kvtop")
-    table = rows(found.live)
+    table = control.rows(found.live)
     stamp = time.strftime("%H:%M:%S")
     total_mapped = sum(r["mapped_bytes"] for r in table)
     quits = "  (Ctrl-C quits)" if live else ""
@@ -74,13 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("--json needs --once")
         if not args.interval > 0:
             raise UsageError("--interval must be a positive number of seconds")
-        directory = resolve_dir(args.runtime_dir)
+        settings = cli_settings(args.runtime_dir)
         if args.once:
-            text, table = frame(directory)
+            text, table = frame(settings)
             print(json.dumps(table, indent=2) if args.json else text)
             return 0
         while True:
-            text, _ = frame(directory, live=True)
+            text, _ = frame(settings, live=True)
             sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home + clear: redraw in place
             sys.stdout.flush()
             time.sleep(args.interval)

@@ -93,9 +93,10 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         self.block_bytes = _positive_int("block_bytes", block_bytes, MAX_BYTES)
         self.num_layers = _positive_int("num_layers", num_layers, MAX_BUFFERS)
         self.num_kv_buffers = _positive_int("num_kv_buffers", num_kv_buffers, MAX_BUFFERS // self.num_layers)
-        self.pool_name = _label("pool_name", pool_name, 31)
-        self.engine = _label("engine", engine if engine else _engine_label(), 31)
-        self.name = _label("name", name if name else f"{self.engine}-{os.getpid()}", 127)
+        text_bytes = _native.SEGMENT_TEXT_BYTES  # what the control segment can hold
+        self.pool_name = _label("pool_name", pool_name, text_bytes["pool_name"])
+        self.engine = _label("engine", engine if engine else _engine_label(), text_bytes["engine"])
+        self.name = _label("name", name if name else f"{self.engine}-{os.getpid()}", text_bytes["name"])
         self.device = device_name(device)
         self._control = None
         self._labels = {"pool_name": self.pool_name, "name": self.name, "device": self.device}

@@ -188,33 +188,6 @@ def collect(directory: str, name: str | None = None, pool_name: str | None = Non
     return _unlink_all(targets)
 
 
-def rows(segments: Sequence[Segment]) -> list[dict]:
-    """One plain dict per live pool, as `list --json` and `kvtop --json` print them."""
-    out = []
-    for seg in segments:
-        i = seg.info
-        out.append(
-            {
-                "name": i["name"],
-                "pid": i["owner_pid"],
-                "engine": i["engine"],
-                "device": i["device"],
-                "pool_name": i["pool_name"],
-                "limit_bytes": i["limit_bytes"],
-                "limit_status": i["limit_status"],
-                "mapped_bytes": i["mapped_bytes"],
-                "used_bytes": i["used_bytes"],
-                "virtual_bytes": i["virtual_bytes"],
-                "device_total_bytes": i["device_total_bytes"],
-                "allocated_blocks": i["allocated_blocks"],
-                "total_blocks": i["total_blocks"],
-                "published_unix_ns": i["publish_unix_ns"],
-                "segment": seg.path,
-            }
-        )
-    return out
-
-
 def held_by_other_processes(settings: Settings, device: str) -> int:
     """Physical bytes that live kvcached pools of other processes hold on ``device`` ("cpu", "cuda:N"):
     mapped pages and the physical handles their pools keep ready.

@@ -337,3 +337,24 @@ def test_revision_rules_hold_through_the_segment(tmp_path_factory, requests):
             else:  # the outcome can only be seen through the allocator's state
                 assert wait_for(lambda: mgr.snapshot()["limit_revision"] == model.revision, timeout=2)
             assert mgr.snapshot()["limit_bytes"] == expected_limit
+
+
+def test_the_control_module_sets_limits_and_lists_instances_without_the_cli(runtime):
+    """What kvctl prints comes from kvcached_core.control, which plugins and examples call directly: a limit
+    on a live process is split across its pools, acknowledged, and shows in the instance rows."""
+    from kvcached_core import control
+
+    w = Workload(runtime, "ctl", 2)
+    try:
+        s = control.settings_for(runtime)
+        (row,) = control.instances(s, name="ctl")
+        assert (row["pid"], row["engine"], row["mapped_bytes"]) == (w.proc.pid, "python", 2 * PAGE)
+        assert control.instances(s, name="ctl", engine="vllm") == []
+        outcomes = control.set_limit(control.scan_segments(s), "ctl", lambda pools: PAGE)
+        assert [(o.pid, o.share, o.status) for o in outcomes] == [(w.proc.pid, PAGE, "deferred")]
+        assert control.instances(s, name="ctl")[0]["limit_bytes"] == PAGE
+        with pytest.raises(control.InstanceGone, match="no live instance named 'nobody'"):
+            control.set_limit(control.scan_segments(s), "nobody", lambda pools: PAGE)
+    finally:
+        w.stop()
+    assert control.instances(control.settings_for(runtime)) == []

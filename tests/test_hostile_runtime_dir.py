@@ -23,7 +23,7 @@ from conftest import wait_for
 from hypothesis import HealthCheck, given, settings
 
 import kvcached_core as kc
-from kvcached_core import kvctl, kvtop
+from kvcached_core import control, kvctl, kvtop
 from kvcached_core.segment import creator_pid, page_table_dir, scan, segment_dir
 
 MiB = 1 << 20
@@ -176,7 +176,7 @@ def owner(tmp_path):
 def test_a_stopped_owner_is_waited_for_a_bounded_time_and_named_as_stopped(owner, capsys):
     runtime, proc = owner
     os.kill(proc.pid, signal.SIGSTOP)
-    assert wait_for(lambda: kvctl.process_state(proc.pid) == "T")  # the signal is delivered asynchronously
+    assert wait_for(lambda: control.process_state(proc.pid) == "T")  # the signal is delivered asynchronously
     started = time.monotonic()
     assert kvctl.main(["--runtime-dir", runtime, "limit", "owner", "1M"]) == 3
     assert time.monotonic() - started < 5

@@ -20,6 +20,7 @@
 #include "common/errors.h"
 #include "common/process.h"
 #include "control/segment.h"
+#include "control/segment_layout.h"
 #ifdef KVCACHED_WITH_CUDA
 #include "backend/cuda_backend.h"
 #include "backend/cuda_driver.h"
@@ -241,6 +242,13 @@ PYBIND11_MODULE(_native, m) {
   auto closed_error = py::register_exception<ClosedError>(m, "ClosedError", PyExc_RuntimeError);
   py::register_exception<SegmentError>(m, "SegmentError", PyExc_ValueError);
   m.attr("OPERATION_COUNTERS") = counter_names();
+  // The longest labels a control segment holds (its text fields, less the terminating NUL).
+  py::dict text_bytes;
+  text_bytes["engine"] = sizeof(SegmentLayout::engine) - 1;
+  text_bytes["device"] = sizeof(SegmentLayout::device) - 1;
+  text_bytes["name"] = sizeof(SegmentLayout::instance_name) - 1;
+  text_bytes["pool_name"] = sizeof(SegmentLayout::pool_name) - 1;
+  m.attr("SEGMENT_TEXT_BYTES") = text_bytes;
 #ifdef KVCACHED_NO_COUNTERS
   m.attr("counting") = false;
 #else

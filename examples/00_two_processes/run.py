@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvcached_core as kc
-from kvcached_core.kvctl import resolve_dir
+from kvcached_core.control import settings_for
+from kvcached_core.segment import segment_dir
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 MIB = 1 << 20
@@ -284,7 +285,7 @@ def run(args: argparse.Namespace, engines: list[Engine], runtime_dir: str) -> in
     stop(engines)
     del ballast
 
-    failed = summarize(engines, budget, args.duration, resolve_dir(runtime_dir))
+    failed = summarize(engines, budget, args.duration, segment_dir(settings_for(runtime_dir)))
     if args.plot:
         write_plot(args.plot, engines, budget, args.duration, device)
     if failed:

@@ -27,7 +27,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from kvcached_core import format_bytes, load_settings, parse_size, segment
+from kvcached_core import control, format_bytes, parse_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -95,7 +95,7 @@ def burst(port: int, name: str, requests: int, prompt_words: int) -> None:
 
 
 def mapped(names: tuple[str, ...]) -> dict[str, int]:
-    rows = segment.rows(segment.scan(segment.segment_dir(load_settings())).live)
+    rows = control.instances()
     return {n: sum(r["mapped_bytes"] for r in rows if r["name"] == n) for n in names}
 
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import kvcached_core as kc
-from kvcached_core.kvctl import resolve_dir
-from kvcached_core.segment import rows, scan
+from kvcached_core import control
+from kvcached_core.segment import segment_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 1 << 20
@@ -113,10 +113,10 @@ class Timeline:
         """Seconds since the start."""
         return time.monotonic() - self.start
 
-    def poll(self, segments: str) -> None:
+    def poll(self, settings: kc.Settings) -> None:
         """Read every live segment at 20 Hz (what `kvctl list --json` prints) until stopped."""
         while not self.stop.wait(SAMPLE_S - (self.now() % SAMPLE_S)):
-            table = {r["name"]: r for r in rows(scan(segments).live) if r["name"] in NAMES}
+            table = {r["name"]: r for r in control.instances(settings) if r["name"] in NAMES}
             self.samples.append((self.now(), table))
 
     def latest(self) -> dict[str, dict]:
@@ -357,14 +357,15 @@ def run(args: argparse.Namespace, runtime_dir: str, procs: list[subprocess.Popen
     if device == "cuda":  # leave only the budget free on the GPU, as examples/00_two_processes does
         ballast, budget = demo00.hold_gpu_ballast(budget)
         print(f"GPU ballast held: {budget / MIB:.0f} MiB left free for the two engines")
-    segments = resolve_dir(runtime_dir)
+    settings = control.settings_for(runtime_dir)
+    segments = segment_dir(settings)
 
     tl = Timeline(start=time.monotonic())
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
-    sampler = threading.Thread(target=tl.poll, args=(segments,), daemon=True)
+    sampler = threading.Thread(target=tl.poll, args=(settings,), daemon=True)
     sampler.start()
     print(f"{', '.join(NAMES)} bursting (pids {', '.join(str(p.pid) for p in procs)})")
     try:

@@ -31,10 +31,9 @@ def prompts(n: int) -> list[str]:
 
 def pools(name: str) -> list[dict]:
     """This engine's kvcached pools, as ``kvctl list`` sees them."""
-    from kvcached_core import load_settings, segment
+    from kvcached_core import control
 
-    found = segment.scan(segment.segment_dir(load_settings()))
-    return [r for r in segment.rows(found.live) if r["engine"] == "vllm" and r["name"] == name]
+    return control.instances(name=name, engine="vllm")
 
 
 def workers_rss() -> int:

@@ -39,10 +39,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 def pools(engine: str = "vllm") -> list[dict]:
     """This engine's kvcached pools, as ``kvctl list`` shows them."""
-    from kvcached_core import load_settings, segment
+    from kvcached_core import control
 
-    found = segment.scan(segment.segment_dir(load_settings()))
-    return [r for r in segment.rows(found.live) if r["engine"] == engine]
+    return control.instances(engine=engine)
 
 
 def timed_batches(

@@ -433,11 +433,11 @@ class Sampler:
         self.thread.start()
 
     def _run(self) -> None:
-        from kvcached_core import load_settings, segment
+        from kvcached_core import control, load_settings
 
-        directory = segment.segment_dir(load_settings())
+        settings = load_settings()
         while not self._stop.is_set():
-            rows = segment.rows(segment.scan(directory).live)
+            rows = control.instances(settings)
             mapped = {n: sum(r["mapped_bytes"] for r in rows if r["name"] == n) for n in self.names}
             self.samples.append({"t": time.monotonic() - self.t0, **mapped})
             time.sleep(0.05)
@@ -464,9 +464,9 @@ def driver_calls(name: str) -> dict[str, int]:
 
 
 def pools_of(name: str) -> list[dict]:
-    from kvcached_core import load_settings, segment
+    from kvcached_core import control
 
-    return [r for r in segment.rows(segment.scan(segment.segment_dir(load_settings())).live) if r["name"] == name]
+    return control.instances(name=name)
 
 
 def phase_share(args: argparse.Namespace, count: int) -> dict:
