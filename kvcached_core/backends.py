@@ -39,6 +39,17 @@ def device_name(device: DeviceLike) -> str:
     return "cpu" if kind == "host" else f"cuda:{index}"
 
 
+def cuda_device(index: int) -> str:
+    """The name of CUDA device ``index`` of this process: ``cuda:N``."""
+    return f"cuda:{int(index)}"
+
+
+def cuda_index(device: DeviceLike) -> int | None:
+    """The CUDA index of ``device`` (``cuda`` alone: torch's current device), or None for the host."""
+    kind, index = parse_device(device)
+    return index if kind == "cuda" else None
+
+
 def host_device_label(device: str) -> str:
     """The label a device (``cpu``, ``cuda:N``) has for every process of the host: what control segments
     and pressure records name. ``cuda:N`` is an index into this process's ``CUDA_VISIBLE_DEVICES``, so two

@@ -45,6 +45,25 @@ def _engine_label() -> str:
     return "python"
 
 
+def page_bytes_for(settings: Settings | None = None) -> int:
+    """The physical page size managers use for blocks that fit in one page: ``KVCACHED_PAGE_BYTES`` when set,
+    else 2 MiB (CUDA's mapping granularity). An engine that aligns its block count to whole pages asks here."""
+    s = settings if settings is not None else load_settings()
+    return s.page_bytes or _native.DEFAULT_PAGE_BYTES
+
+
+def instance_name_for(model: str | None, tp_rank: int | None = None) -> str | None:
+    """The name kvctl and kvtop show for an engine serving ``model`` (a model name or path): its last path
+    component (``org/Model-8B/`` -> ``Model-8B``), with ``-tpN`` for tensor-parallel rank N when an engine
+    keeps a pool per rank. None without a model (the manager then names itself ``<engine>-<pid>``)."""
+    if not model:
+        return None
+    name = str(model).rstrip("/").rsplit("/", 1)[-1]
+    if tp_rank is not None:
+        name += f"-tp{tp_rank}"
+    return name[: _native.SEGMENT_TEXT_BYTES["name"]] or None
+
+
 MAX_BUFFERS = 1 << 16  # layers x K/V buffers: far beyond any model, and a bound on per-buffer bookkeeping
 
 
@@ -84,9 +103,9 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         environment, see the README). Raises ValueError for bad geometry and RuntimeError when the
         device cannot be used.
 
-        With ``mapped_by_workers`` this manager only plans (DESIGN.md principle 6): it maps nothing, and
-        publishes the pages it wants mapped in a page table (``page_table_path``) that worker processes
-        follow with :class:`kvcached_core.PageMirror`, each on its own device.
+        With ``mapped_by_workers`` this manager only plans (docs/architecture.md, "Planner and workers"): it
+        maps nothing, and publishes the pages it wants mapped in a page table (``page_table_path``) that
+        worker processes follow with :class:`kvcached_core.PageMirror`, each on its own device.
         """
         s = settings if settings is not None else load_settings()
         self.num_blocks = _positive_int("num_blocks", num_blocks)

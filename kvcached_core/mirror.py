@@ -1,4 +1,4 @@
-"""PageMirror: a worker process's view of a planner's pages (DESIGN.md principle 6).
+"""PageMirror: a worker process's view of a planner's pages (docs/architecture.md, "Planner and workers").
 
 The scheduler process owns a ``KVCacheManager(..., mapped_by_workers=True)``: it decides which blocks are
 used at bookkeeping cost and publishes which pages must be mapped. Each worker process opens a PageMirror

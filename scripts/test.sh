@@ -13,6 +13,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 venv="${KVCACHED_VENV:-$repo/.venv}"
 "$venv/bin/ruff" check "$repo"
+"$venv/bin/clang-format" --dry-run --Werror "$repo"/csrc/*/*.cpp "$repo"/csrc/*/*.h  # style: .clang-format
 # From outside the checkout, so the installed packages (with the native module) are what gets imported.
 cd /tmp
 "$venv/bin/python" -m pytest -p no:cacheprovider "$repo/tests" "$@"

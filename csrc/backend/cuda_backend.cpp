@@ -21,9 +21,10 @@ CudaBackend::CudaBackend(int device_index, bool backstop) : index_(device_index)
   int vmm = 0;
   KVCACHED_CU(d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device_));
   if (!vmm) {
-    throw BackendError("CUDA device " + std::to_string(device_index) +
-                           " does not support virtual memory management (cuMemMap); use a newer GPU/driver or device='cpu'",
-                       -1);
+    throw BackendError(
+        "CUDA device " + std::to_string(device_index) +
+            " does not support virtual memory management (cuMemMap); use a newer GPU/driver or device='cpu'",
+        -1);
   }
   KVCACHED_CU(d.cuDevicePrimaryCtxRetain(&context_, device_));
   prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;

@@ -27,11 +27,11 @@ Loaded load() {
     out.error = std::string("no CUDA driver: dlopen(libcuda.so.1) failed: ") + (why ? why : "unknown error");
     return out;
   }
-#define KVCACHED_LOAD_CALL(name)                                                     \
+#define KVCACHED_LOAD_CALL(name)                                                         \
   out.driver.name = reinterpret_cast<decltype(&::name)>(dlsym(lib, KVCACHED_STR(name))); \
-  if (out.driver.name == nullptr) {                                                  \
-    out.error = "CUDA driver too old: it lacks " KVCACHED_STR(name);                 \
-    return out;                                                                      \
+  if (out.driver.name == nullptr) {                                                      \
+    out.error = "CUDA driver too old: it lacks " KVCACHED_STR(name);                     \
+    return out;                                                                          \
   }
   KVCACHED_CUDA_DRIVER_CALLS(KVCACHED_LOAD_CALL)
 #undef KVCACHED_LOAD_CALL

@@ -9,26 +9,26 @@
 
 namespace kvcached {
 
-#define KVCACHED_CUDA_DRIVER_CALLS(_)     \
-  _(cuInit)                               \
-  _(cuGetErrorString)                     \
-  _(cuDeviceGet)                          \
-  _(cuDeviceGetCount)                     \
-  _(cuDeviceGetAttribute)                 \
-  _(cuDevicePrimaryCtxRetain)             \
-  _(cuDevicePrimaryCtxRelease)            \
-  _(cuCtxGetCurrent)                      \
-  _(cuCtxSetCurrent)                      \
-  _(cuCtxSynchronize)                     \
-  _(cuMemGetInfo)                         \
-  _(cuMemGetAllocationGranularity)        \
-  _(cuMemAddressReserve)                  \
-  _(cuMemAddressFree)                     \
-  _(cuMemCreate)                          \
-  _(cuMemRelease)                         \
-  _(cuMemMap)                             \
-  _(cuMemUnmap)                           \
-  _(cuMemSetAccess)                       \
+#define KVCACHED_CUDA_DRIVER_CALLS(_) \
+  _(cuInit)                           \
+  _(cuGetErrorString)                 \
+  _(cuDeviceGet)                      \
+  _(cuDeviceGetCount)                 \
+  _(cuDeviceGetAttribute)             \
+  _(cuDevicePrimaryCtxRetain)         \
+  _(cuDevicePrimaryCtxRelease)        \
+  _(cuCtxGetCurrent)                  \
+  _(cuCtxSetCurrent)                  \
+  _(cuCtxSynchronize)                 \
+  _(cuMemGetInfo)                     \
+  _(cuMemGetAllocationGranularity)    \
+  _(cuMemAddressReserve)              \
+  _(cuMemAddressFree)                 \
+  _(cuMemCreate)                      \
+  _(cuMemRelease)                     \
+  _(cuMemMap)                         \
+  _(cuMemUnmap)                       \
+  _(cuMemSetAccess)                   \
   _(cuMemsetD8)
 
 struct CudaDriver {

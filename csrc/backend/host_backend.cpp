@@ -87,7 +87,8 @@ void HostBackend::map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle)
 }
 
 void HostBackend::unmap(std::uintptr_t addr, std::size_t bytes) {
-  if (injected_failure(fail_unmap_countdown_)) throw BackendError("host backend: injected unmap failure (testing)", EIO);
+  if (injected_failure(fail_unmap_countdown_))
+    throw BackendError("host backend: injected unmap failure (testing)", EIO);
   // Replacing the range in one call keeps the reservation whole: no window where the hole could be
   // taken by another mmap in this process.
   void* got = mmap(reinterpret_cast<void*>(addr), bytes, PROT_NONE,
@@ -101,9 +102,7 @@ void HostBackend::release(PhysHandle handle, std::size_t bytes) noexcept {
   if (budget_) budget_->uncharge(bytes);
 }
 
-void HostBackend::zero(std::uintptr_t addr, std::size_t bytes) {
-  std::memset(reinterpret_cast<void*>(addr), 0, bytes);
-}
+void HostBackend::zero(std::uintptr_t addr, std::size_t bytes) { std::memset(reinterpret_cast<void*>(addr), 0, bytes); }
 
 std::size_t HostBackend::allocatable_bytes() {
   return budget_ ? mem_info().free_bytes : std::numeric_limits<std::size_t>::max() / 2;

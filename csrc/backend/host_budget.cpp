@@ -49,11 +49,10 @@ struct HostBudget::Ledger {
   Slot slots[kSlots];
 };
 
-HostBudget::HostBudget(const std::string& path, std::size_t capacity_bytes)
-    : path_(path), capacity_(capacity_bytes) {
+HostBudget::HostBudget(const std::string& path, std::size_t capacity_bytes) : path_(path), capacity_(capacity_bytes) {
   fd_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd_ < 0) throw BackendError(errno_text("cannot open host budget ledger " + path), errno);
-  struct stat st {};
+  struct stat st{};
   // Only a file kvcached made is trusted: a link planted here (hard links pass O_NOFOLLOW) would have the
   // ledger written into another file of this user.
   if (fstat(fd_, &st) != 0 || st.st_uid != geteuid() || !S_ISREG(st.st_mode) || st.st_nlink != 1 ||

@@ -18,7 +18,8 @@ PlannerBackend::PlannerBackend(DeviceKind kind, int device_index, std::size_t gr
 std::uintptr_t PlannerBackend::reserve(std::size_t bytes) {
   // Address space only, never touched: it gives block ids the same geometry as the workers' buffers.
   void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) throw BackendError(std::string("planner: cannot reserve address space: ") + std::strerror(errno), errno);
+  if (p == MAP_FAILED)
+    throw BackendError(std::string("planner: cannot reserve address space: ") + std::strerror(errno), errno);
   return reinterpret_cast<std::uintptr_t>(p);
 }
 

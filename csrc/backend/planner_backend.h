@@ -1,4 +1,5 @@
-// PlannerBackend: the backend of a scheduler whose workers hold the memory (DESIGN.md principle 6).
+// PlannerBackend: the backend of a scheduler whose workers hold the memory (docs/architecture.md, "Planner and
+// workers").
 //
 // It maps nothing: handles are tokens and map/unmap only do bookkeeping, so the planner's BlockAllocator
 // makes its allocation decisions at bookkeeping cost and publishes them through a PageTable, from which

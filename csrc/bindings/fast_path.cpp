@@ -15,8 +15,7 @@ PyObject* g_closed_error = nullptr;
 PyObject* g_backend_error = nullptr;
 
 struct FastPathObject {
-  PyObject_HEAD
-  std::shared_ptr<BlockAllocator> allocator;
+  PyObject_HEAD std::shared_ptr<BlockAllocator> allocator;
 };
 
 BlockAllocator& allocator_of(PyObject* self) { return *reinterpret_cast<FastPathObject*>(self)->allocator; }
@@ -77,7 +76,9 @@ PyObject* fp_free(PyObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-PyObject* fp_available_size(PyObject* self, PyObject*) { return PyLong_FromLongLong(allocator_of(self).available_size()); }
+PyObject* fp_available_size(PyObject* self, PyObject*) {
+  return PyLong_FromLongLong(allocator_of(self).available_size());
+}
 
 void fp_dealloc(PyObject* self) {
   auto* obj = reinterpret_cast<FastPathObject*>(self);

@@ -242,6 +242,7 @@ PYBIND11_MODULE(_native, m) {
   auto closed_error = py::register_exception<ClosedError>(m, "ClosedError", PyExc_RuntimeError);
   py::register_exception<SegmentError>(m, "SegmentError", PyExc_ValueError);
   m.attr("OPERATION_COUNTERS") = counter_names();
+  m.attr("DEFAULT_PAGE_BYTES") = kDefaultPageBytes;
   // The longest labels a control segment holds (its text fields, less the terminating NUL).
   py::dict text_bytes;
   text_bytes["engine"] = sizeof(SegmentLayout::engine) - 1;
@@ -261,10 +262,13 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("name", &MemoryBackend::name)
       .def_property_readonly("granularity", &MemoryBackend::granularity)
       .def_property_readonly("device_index", &MemoryBackend::device_index)
-      .def("mem_info", [](MemoryBackend& b) {
-        MemInfo info = b.mem_info();
-        return py::make_tuple(info.free_bytes, info.total_bytes);
-      }, "(free_bytes, total_bytes) of the device (or of the host budget).");
+      .def(
+          "mem_info",
+          [](MemoryBackend& b) {
+            MemInfo info = b.mem_info();
+            return py::make_tuple(info.free_bytes, info.total_bytes);
+          },
+          "(free_bytes, total_bytes) of the device (or of the host budget).");
 
   py::class_<HostBackend, MemoryBackend, std::shared_ptr<HostBackend>>(m, "HostBackend")
       .def(py::init<const std::string&, std::size_t>(), py::arg("budget_path") = "", py::arg("budget_bytes") = 0)
@@ -281,7 +285,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("cuda_unavailable_reason", &CudaDriver::unavailable_reason,
         "Why the CUDA backend cannot be used here, or '' when it can.");
   m.attr("built_with_cuda") = true;
-  m.def("_cuda_driver_floor", [](int device_index, std::size_t page_bytes, int iterations) {
+  m.def(
+      "_cuda_driver_floor",
+      [](int device_index, std::size_t page_bytes, int iterations) {
         DriverFloor f;
         {
           py::gil_scoped_release release;
@@ -294,7 +300,8 @@ PYBIND11_MODULE(_native, m) {
         d["cuMemUnmap"] = f.unmap_us;
         d["cuMemRelease"] = f.release_us;
         return d;
-      }, py::arg("device_index"), py::arg("page_bytes"), py::arg("iterations"),
+      },
+      py::arg("device_index"), py::arg("page_bytes"), py::arg("iterations"),
       "Per-call microseconds of bare driver calls for `iterations` pages (benchmarks' floor).");
 #else
   m.def("cuda_unavailable_reason", [] { return std::string("kvcached-core was built without CUDA headers (cuda.h)"); });
@@ -320,30 +327,38 @@ PYBIND11_MODULE(_native, m) {
              return std::make_shared<BlockAllocator>(std::move(backend), c);
            }),
            py::arg("backend"), py::arg("num_blocks"), py::arg("block_bytes"), py::arg("num_buffers"),
-           py::arg("page_bytes"), py::arg("reserve_null_block"), py::arg("reserved_pages"),
-           py::arg("reclaim_delay_ms"), py::arg("pool_target"), py::arg("pool_max"), py::arg("zero_on_map"),
+           py::arg("page_bytes"), py::arg("reserve_null_block"), py::arg("reserved_pages"), py::arg("reclaim_delay_ms"),
+           py::arg("pool_target"), py::arg("pool_max"), py::arg("zero_on_map"),
            py::call_guard<py::gil_scoped_release>())
-      .def("_fast_path", [](std::shared_ptr<BlockAllocator> self) {
-             PyObject* fp = make_fast_path(std::move(self));
-             if (fp == nullptr) throw py::error_already_set();
-             return py::reinterpret_steal<py::object>(fp);
-           }, "A FastPath object whose alloc/free/available_size are plain CPython methods.")
-      .def("alloc_past_limit", [](BlockAllocator& a, std::int64_t count) -> py::object {
-             std::vector<std::int32_t> ids;
-             bool ok;
-             {
-               py::gil_scoped_release release;
-               ok = a.alloc(count, ids, /*past_limit=*/true);
-             }
-             if (!ok) return py::none();
-             return py::cast(ids);
-           }, py::arg("count"),
-           "alloc() ignoring the memory limit for this call: for an engine that promised blocks before a\n"
-           "lower limit arrived. Virtual capacity and physical memory still bound it; None when they cannot.")
-      .def("_set_memory_limit", [](BlockAllocator& a, std::optional<std::uint64_t> limit,
-                                   std::optional<std::uint64_t> revision) {
-             return limit_dict(a.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
-           }, py::arg("limit_bytes"), py::arg("revision"))
+      .def(
+          "_fast_path",
+          [](std::shared_ptr<BlockAllocator> self) {
+            PyObject* fp = make_fast_path(std::move(self));
+            if (fp == nullptr) throw py::error_already_set();
+            return py::reinterpret_steal<py::object>(fp);
+          },
+          "A FastPath object whose alloc/free/available_size are plain CPython methods.")
+      .def(
+          "alloc_past_limit",
+          [](BlockAllocator& a, std::int64_t count) -> py::object {
+            std::vector<std::int32_t> ids;
+            bool ok;
+            {
+              py::gil_scoped_release release;
+              ok = a.alloc(count, ids, /*past_limit=*/true);
+            }
+            if (!ok) return py::none();
+            return py::cast(ids);
+          },
+          py::arg("count"),
+          "alloc() ignoring the memory limit for this call: for an engine that promised blocks before a\n"
+          "lower limit arrived. Virtual capacity and physical memory still bound it; None when they cannot.")
+      .def(
+          "_set_memory_limit",
+          [](BlockAllocator& a, std::optional<std::uint64_t> limit, std::optional<std::uint64_t> revision) {
+            return limit_dict(a.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
+          },
+          py::arg("limit_bytes"), py::arg("revision"))
       .def("trim", &BlockAllocator::trim, py::call_guard<py::gil_scoped_release>(),
            "Unmap every mapped page that holds no allocated block; returns the bytes unmapped.")
       .def("clear", &BlockAllocator::clear, "Free every allocated block (the null block stays reserved).")
@@ -353,9 +368,12 @@ PYBIND11_MODULE(_native, m) {
       .def("_snapshot", &snapshot_dict)
       .def("operation_snapshot", &operation_snapshot,
            "Cumulative operation counters and the last error, copied without taking the allocator lock.")
-      .def("_export_bytes", [](const BlockAllocator& a, std::int64_t buffer, std::int64_t offset,
-                               std::int64_t nbytes) { return export_bytes(viewable(a), buffer, offset, nbytes); },
-           py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
+      .def(
+          "_export_bytes",
+          [](const BlockAllocator& a, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
+            return export_bytes(viewable(a), buffer, offset, nbytes);
+          },
+          py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
       .def("_export_all", [](const BlockAllocator& a) { return export_all(viewable(a)); })
       .def("_publish_page_table", &BlockAllocator::publish_page_table, py::arg("path"), py::arg("num_layers"),
            py::arg("num_kv_buffers"))
@@ -374,18 +392,24 @@ PYBIND11_MODULE(_native, m) {
            py::arg("path"), py::arg("allocator"), py::arg("engine"), py::arg("device"), py::arg("name"),
            py::arg("pool_name"), py::arg("device_total_bytes"), py::arg("poll_ms"))
       .def("publish", &ControlSegment::publish)
-      .def("set_memory_limit", [](ControlSegment& c, std::optional<std::uint64_t> limit,
-                                  std::optional<std::uint64_t> revision) {
-             return limit_dict(c.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
-           }, py::arg("limit_bytes"), py::arg("revision"), "Set the allocator's limit and record it in the segment.")
+      .def(
+          "set_memory_limit",
+          [](ControlSegment& c, std::optional<std::uint64_t> limit, std::optional<std::uint64_t> revision) {
+            return limit_dict(c.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
+          },
+          py::arg("limit_bytes"), py::arg("revision"), "Set the allocator's limit and record it in the segment.")
       .def("close", &ControlSegment::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("path", &ControlSegment::path);
 
-  m.def("read_segment", [](const std::string& path) { return segment_dict(read_segment(path)); }, py::arg("path"),
-        "Reads and validates one control segment; SegmentError says what is wrong with a bad file.");
-  m.def("request_limit", [](const std::string& path, std::optional<std::uint64_t> limit, std::uint64_t revision) {
+  m.def(
+      "read_segment", [](const std::string& path) { return segment_dict(read_segment(path)); }, py::arg("path"),
+      "Reads and validates one control segment; SegmentError says what is wrong with a bad file.");
+  m.def(
+      "request_limit",
+      [](const std::string& path, std::optional<std::uint64_t> limit, std::uint64_t revision) {
         request_limit(path, limit.value_or(BlockAllocator::kNoLimit), revision);
-      }, py::arg("path"), py::arg("limit_bytes"), py::arg("revision"),
+      },
+      py::arg("path"), py::arg("limit_bytes"), py::arg("revision"),
       "Asks the owner of a segment to apply a limit (None = no limit) under a revision, and wakes it.");
   m.def("process_alive", &process_alive, py::arg("pid"), py::arg("start_time"),
         "True when pid runs (not a zombie) and started at start_time (0 = do not compare).");
@@ -404,34 +428,44 @@ PYBIND11_MODULE(_native, m) {
       .def("worker_allocatable_bytes", &PageTable::worker_allocatable_bytes);
 
   py::class_<PageMirror, std::shared_ptr<PageMirror>>(m, "PageMirror")
-      .def(py::init<const std::string&, std::shared_ptr<MemoryBackend>, std::size_t, std::size_t>(),
-           py::arg("path"), py::arg("backend"), py::arg("pool_target"), py::arg("pool_max"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("sync", [](PageMirror& mirror) {
-             SyncResult r;
-             {
-               py::gil_scoped_release release;
-               r = mirror.sync();
-             }
-             return DictBuilder().set("mapped", r.mapped).set("unmapped", r.unmapped).set_u("generation", r.generation).done();
-           }, "Bring this worker's mappings to the planner's page bitmap (call at the start of each step).")
+      .def(py::init<const std::string&, std::shared_ptr<MemoryBackend>, std::size_t, std::size_t>(), py::arg("path"),
+           py::arg("backend"), py::arg("pool_target"), py::arg("pool_max"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "sync",
+          [](PageMirror& mirror) {
+            SyncResult r;
+            {
+              py::gil_scoped_release release;
+              r = mirror.sync();
+            }
+            return DictBuilder()
+                .set("mapped", r.mapped)
+                .set("unmapped", r.unmapped)
+                .set_u("generation", r.generation)
+                .done();
+          },
+          "Bring this worker's mappings to the planner's page bitmap (call at the start of each step).")
       .def("close", &PageMirror::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &PageMirror::closed)
       .def_property_readonly("mapped_pages", &PageMirror::mapped_pages)
       .def_property_readonly("buffer_stride", [](const PageMirror& mirror) { return mirror.region().buffer_stride(); })
-      .def_property_readonly("geometry", [](const PageMirror& mirror) {
-             const PageTableGeometry& g = mirror.geometry();
-             return DictBuilder()
-                 .set("num_blocks", g.num_blocks)
-                 .set("block_bytes", g.block_bytes)
-                 .set("num_layers", g.num_layers)
-                 .set("num_kv_buffers", g.num_kv_buffers)
-                 .set("page_bytes", g.page_bytes)
-                 .set("num_pages", g.num_pages)
-                 .done();
-           })
-      .def("_export_bytes", [](const PageMirror& mirror, std::int64_t buffer, std::int64_t offset,
-                               std::int64_t nbytes) { return export_bytes(viewable(mirror), buffer, offset, nbytes); },
-           py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
+      .def_property_readonly("geometry",
+                             [](const PageMirror& mirror) {
+                               const PageTableGeometry& g = mirror.geometry();
+                               return DictBuilder()
+                                   .set("num_blocks", g.num_blocks)
+                                   .set("block_bytes", g.block_bytes)
+                                   .set("num_layers", g.num_layers)
+                                   .set("num_kv_buffers", g.num_kv_buffers)
+                                   .set("page_bytes", g.page_bytes)
+                                   .set("num_pages", g.num_pages)
+                                   .done();
+                             })
+      .def(
+          "_export_bytes",
+          [](const PageMirror& mirror, std::int64_t buffer, std::int64_t offset, std::int64_t nbytes) {
+            return export_bytes(viewable(mirror), buffer, offset, nbytes);
+          },
+          py::arg("buffer"), py::arg("offset"), py::arg("nbytes"))
       .def("_export_all", [](const PageMirror& mirror) { return export_all(viewable(mirror)); });
 }

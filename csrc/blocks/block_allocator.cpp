@@ -10,8 +10,6 @@
 namespace kvcached {
 
 namespace {
-constexpr std::size_t kDefaultPageBytes = 2u << 20;
-
 std::size_t round_up(std::size_t value, std::size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // Relaxed add for counters that only the lock holder writes.
@@ -27,7 +25,8 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
   if (c.num_blocks <= 0 || c.num_blocks > std::numeric_limits<std::int32_t>::max())
     throw InvalidArgument("num_blocks must be between 1 and 2^31-1, got " + std::to_string(c.num_blocks));
   if (c.block_bytes <= 0) throw InvalidArgument("block_bytes must be positive, got " + std::to_string(c.block_bytes));
-  if (c.num_buffers <= 0) throw InvalidArgument("num_layers * num_kv_buffers must be positive, got " + std::to_string(c.num_buffers));
+  if (c.num_buffers <= 0)
+    throw InvalidArgument("num_layers * num_kv_buffers must be positive, got " + std::to_string(c.num_buffers));
   if (c.reserved_pages < 0 || c.reclaim_delay_ms < 0 || c.pool_target < 0 || c.pool_max < 0)
     throw InvalidArgument("reserved_pages, reclaim_delay_ms, pool_target and pool_max must not be negative");
 
@@ -79,8 +78,9 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
   }
   unmapped_pages_.store(static_cast<std::int64_t>(unmapped_.size()));
 
-  region_ = std::make_unique<PagedRegion>(backend_, page_bytes_, num_pages, static_cast<std::size_t>(c.num_buffers),
-                                          static_cast<std::size_t>(c.pool_target), static_cast<std::size_t>(c.pool_max));
+  region_ =
+      std::make_unique<PagedRegion>(backend_, page_bytes_, num_pages, static_cast<std::size_t>(c.num_buffers),
+                                    static_cast<std::size_t>(c.pool_target), static_cast<std::size_t>(c.pool_max));
 
   if (c.reserve_null_block) {
     if (block_page_[0] < 0) throw InvalidArgument("block 0 straddles a page; cannot reserve it");
@@ -98,14 +98,13 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
 
 BlockAllocator::~BlockAllocator() { close(); }
 
-
 std::shared_ptr<PageTable> BlockAllocator::publish_page_table(const std::string& path, std::int64_t num_layers,
                                                               std::int64_t num_kv_buffers) {
   auto* planner = dynamic_cast<PlannerBackend*>(backend_.get());
   if (planner == nullptr) throw InvalidArgument("only a planner (mapped_by_workers) publishes a page table");
   if (num_layers <= 0 || num_kv_buffers <= 0 || num_layers * num_kv_buffers != config_.num_buffers)
-    throw InvalidArgument("num_layers * num_kv_buffers must be this allocator's " + std::to_string(config_.num_buffers) +
-                          " buffers");
+    throw InvalidArgument("num_layers * num_kv_buffers must be this allocator's " +
+                          std::to_string(config_.num_buffers) + " buffers");
   PageTableGeometry g;
   g.num_blocks = config_.num_blocks;
   g.block_bytes = config_.block_bytes;
@@ -140,7 +139,8 @@ void BlockAllocator::record_error(const std::exception& error) {
   const auto* backend_error = dynamic_cast<const BackendError*>(&error);
   record->code = backend_error != nullptr ? backend_error->code() : -1;
   record->unix_ns = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
   record->message = std::string(error.what()).substr(0, kMaxErrorMessage);
   std::atomic_store(&last_error_, std::shared_ptr<const ErrorRecord>(std::move(record)));
 }
@@ -178,10 +178,10 @@ std::int64_t BlockAllocator::allowed_pages() const noexcept {
 std::int64_t BlockAllocator::target_empty_pages() const noexcept {
   const std::int64_t used = used_pages_.load(std::memory_order_relaxed);
   // No window (reclaim_delay_ms = 0): only the reserve stays.
-  const std::int64_t recent =
-      config_.reclaim_delay_ms == 0
-          ? used
-          : std::max(window_peak_.load(std::memory_order_relaxed), previous_window_peak_.load(std::memory_order_relaxed));
+  const std::int64_t recent = config_.reclaim_delay_ms == 0
+                                  ? used
+                                  : std::max(window_peak_.load(std::memory_order_relaxed),
+                                             previous_window_peak_.load(std::memory_order_relaxed));
   const std::int64_t want = std::max(config_.reserved_pages, recent - used);
   return std::max<std::int64_t>(0, std::min(want, allowed_pages() - used));
 }
@@ -191,7 +191,8 @@ std::int64_t BlockAllocator::target_empty_pages() const noexcept {
 void BlockAllocator::take_from_page(std::int32_t page_id, std::int64_t want, std::vector<std::int32_t>& out) {
   Page& page = pages_[static_cast<std::size_t>(page_id)];
   const bool was_empty = page.used == 0;
-  const auto n = static_cast<std::int32_t>(std::min<std::int64_t>(want, static_cast<std::int64_t>(page.free_blocks.size())));
+  const auto n =
+      static_cast<std::int32_t>(std::min<std::int64_t>(want, static_cast<std::int64_t>(page.free_blocks.size())));
   for (std::int32_t i = 0; i < n; ++i) {
     const std::int32_t b = page.free_blocks.back();
     page.free_blocks.pop_back();
@@ -275,7 +276,8 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, b
   if (used_pages > allowed) return reject();  // a deferred shrink is in progress: allocation stops
   const std::int64_t partial_free = partial_free_.load(std::memory_order_relaxed);
   if (count > partial_free + empty_free_.load(std::memory_order_relaxed) +
-                  unmapped_pages_.load(std::memory_order_relaxed) * static_cast<std::int64_t>(page_bytes_ / config_.block_bytes))
+                  unmapped_pages_.load(std::memory_order_relaxed) *
+                      static_cast<std::int64_t>(page_bytes_ / config_.block_bytes))
     return reject();  // more than virtual capacity could ever give
 
   const std::size_t start = out.size();
@@ -324,7 +326,8 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, b
     if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
     return reject();
   }
-  if (used_pages > window_peak_.load(std::memory_order_relaxed)) window_peak_.store(used_pages, std::memory_order_relaxed);
+  if (used_pages > window_peak_.load(std::memory_order_relaxed))
+    window_peak_.store(used_pages, std::memory_order_relaxed);
   kvcached::count(counters_.allocation_successes_total);
   kvcached::count(counters_.allocated_blocks_total, static_cast<std::uint64_t>(count));
   return true;
@@ -345,7 +348,8 @@ void BlockAllocator::free(const std::int64_t* ids, std::size_t count) {
       fail("block id " + std::to_string(id) + " is out of range [0, " + std::to_string(config_.num_blocks) + ")");
     if (id == 0 && config_.reserve_null_block) fail("block 0 is the reserved null block and cannot be freed");
     std::uint8_t& a = allocated_[static_cast<std::size_t>(id)];
-    if (!a) fail("block id " + std::to_string(id) + " is not allocated (double free, or an id this manager never gave out)");
+    if (!a)
+      fail("block id " + std::to_string(id) + " is not allocated (double free, or an id this manager never gave out)");
     a = 0;
   }
   for (std::size_t i = 0; i < count; ++i) return_block(static_cast<std::int32_t>(ids[i]));
@@ -403,7 +407,8 @@ LimitResult BlockAllocator::set_memory_limit(std::uint64_t limit_bytes, std::opt
   limit_revision_.store(rev, std::memory_order_relaxed);
   limit_bytes_.store(limit_bytes, std::memory_order_relaxed);
   request_reclaim();
-  const std::uint64_t used = static_cast<std::uint64_t>(used_pages_.load(std::memory_order_relaxed)) * logical_page_bytes();
+  const std::uint64_t used =
+      static_cast<std::uint64_t>(used_pages_.load(std::memory_order_relaxed)) * logical_page_bytes();
   return {used > limit_bytes ? LimitStatus::kDeferred : LimitStatus::kApplied, limit_bytes, rev};
 }
 
@@ -479,7 +484,8 @@ std::uint64_t BlockAllocator::reclaim(std::int64_t keep_empty) {
 void BlockAllocator::reclaimer_loop() {
   using namespace std::chrono;
   const milliseconds window(config_.reclaim_delay_ms);
-  const milliseconds poll = window.count() == 0 ? milliseconds(100) : std::clamp(window, milliseconds(1), milliseconds(100));
+  const milliseconds poll =
+      window.count() == 0 ? milliseconds(100) : std::clamp(window, milliseconds(1), milliseconds(100));
   auto window_end = steady_clock::now() + window;
   std::unique_lock<std::mutex> lock(reclaim_mu_);
   while (!stop_) {

@@ -34,30 +34,33 @@
 
 namespace kvcached {
 
+// The page size chosen when AllocatorConfig::page_bytes is 0 and a block fits: CUDA's mapping granularity.
+constexpr std::size_t kDefaultPageBytes = 2u << 20;
+
 struct AllocatorConfig {
   std::int64_t num_blocks = 0;
   std::int64_t block_bytes = 0;
   std::int64_t num_buffers = 1;
-  std::int64_t page_bytes = 0;        // 0 = automatic: 2 MiB, or the smallest granule multiple above a block
-  bool reserve_null_block = false;    // block 0 is never handed out; its page stays mapped
-  std::int64_t reserved_pages = 2;    // mapped empty pages kept for reuse
-  std::int64_t reclaim_delay_ms = 1000; // demand window: empty pages used within 1-2 windows stay mapped
-  std::int64_t pool_target = 4;       // physical handles the pool thread keeps ready (0 = none)
-  std::int64_t pool_max = 16;         // bound on pooled handles
-  bool zero_on_map = false;           // zero pages when they are mapped
+  std::int64_t page_bytes = 0;           // 0 = automatic: 2 MiB, or the smallest granule multiple above a block
+  bool reserve_null_block = false;       // block 0 is never handed out; its page stays mapped
+  std::int64_t reserved_pages = 2;       // mapped empty pages kept for reuse
+  std::int64_t reclaim_delay_ms = 1000;  // demand window: empty pages used within 1-2 windows stay mapped
+  std::int64_t pool_target = 4;          // physical handles the pool thread keeps ready (0 = none)
+  std::int64_t pool_max = 16;            // bound on pooled handles
+  bool zero_on_map = false;              // zero pages when they are mapped
 };
 
 struct AllocatorSnapshot {
-  std::int64_t total_blocks;      // blocks that can ever be handed out
+  std::int64_t total_blocks;  // blocks that can ever be handed out
   std::int64_t allocated_blocks;
   std::int64_t available_blocks;  // what alloc() could serve now
   std::int64_t mapped_pages;      // logical pages holding physical memory (incl. ones being unmapped)
   std::int64_t used_pages;        // logical pages holding at least one allocated block
   std::uint64_t mapped_bytes;
-  std::uint64_t used_bytes;       // bytes of allocated blocks
-  std::uint64_t limit_bytes;      // UINT64_MAX when unlimited
+  std::uint64_t used_bytes;   // bytes of allocated blocks
+  std::uint64_t limit_bytes;  // UINT64_MAX when unlimited
   std::uint64_t limit_revision;
-  std::int64_t pool_ready;        // physical handles ready in the pool
+  std::int64_t pool_ready;  // physical handles ready in the pool
 };
 
 class BlockAllocator {
@@ -115,7 +118,7 @@ class BlockAllocator {
 
   struct Page {
     std::int32_t first_block = 0;
-    std::int32_t capacity = 0;          // blocks wholly inside this page
+    std::int32_t capacity = 0;  // blocks wholly inside this page
     std::int32_t used = 0;
     PageState state = PageState::kUnmapped;
     ListId list = ListId::kNone;
@@ -141,7 +144,7 @@ class BlockAllocator {
   void take_from_page(std::int32_t page, std::int64_t want, std::vector<std::int32_t>& out);
   void return_block(std::int32_t block);
   enum class MapResult { kMapped, kNoPage, kNoMemory };
-  MapResult map_next_page();   // caller holds mu_
+  MapResult map_next_page();                                 // caller holds mu_
   void unmap_pages(const std::vector<std::int32_t>& pages);  // caller does NOT hold mu_
   std::uint64_t reclaim(std::int64_t keep_empty);
   void request_reclaim();
@@ -158,22 +161,22 @@ class BlockAllocator {
 
   mutable std::mutex mu_;
   std::vector<Page> pages_;
-  std::vector<std::int32_t> block_page_;      // page of each block, -1 for straddling blocks
-  std::vector<std::uint8_t> allocated_;       // per block
+  std::vector<std::int32_t> block_page_;  // page of each block, -1 for straddling blocks
+  std::vector<std::uint8_t> allocated_;   // per block
   PageList partial_, empty_;
-  std::vector<std::int32_t> unmapped_;        // stack of unmapped pages with capacity; lowest on top, tail at the bottom
+  std::vector<std::int32_t> unmapped_;  // stack of unmapped pages with capacity; lowest on top, tail at the bottom
   // The last page with capacity may hold few blocks (the pool ends inside it). It is kept at the bottom of
   // unmapped_, so it is mapped last, and min_capacity_ is taken over the other pages: availability then stays
   // a tight lower bound instead of counting every fresh page as the short one.
   std::int32_t tail_page_ = -1;
   std::int32_t tail_capacity_ = 0;
-  std::int32_t min_capacity_ = 0;             // over pages with capacity other than the tail
+  std::int32_t min_capacity_ = 0;  // over pages with capacity other than the tail
   std::int64_t total_blocks_ = 0;
 
   // Written under mu_, read lock-free by available_size() and snapshot().
-  std::atomic<std::int64_t> partial_free_{0};   // free blocks in partially used pages
+  std::atomic<std::int64_t> partial_free_{0};  // free blocks in partially used pages
   std::atomic<std::int64_t> empty_pages_{0};
-  std::atomic<std::int64_t> empty_free_{0};     // free blocks in mapped empty pages
+  std::atomic<std::int64_t> empty_free_{0};  // free blocks in mapped empty pages
   std::atomic<std::int64_t> used_pages_{0};
   std::atomic<std::int64_t> mapped_pages_{0};
   std::atomic<std::int64_t> unmapped_pages_{0};

@@ -14,8 +14,8 @@
 
 namespace kvcached {
 
-#define KVCACHED_OPERATION_COUNTERS(_)                                                                \
-  /* the alloc/free path touches only these five: they share one cache line */                        \
+#define KVCACHED_OPERATION_COUNTERS(_)                                                                 \
+  /* the alloc/free path touches only these five: they share one cache line */                         \
   _(allocation_requests_total)      /* alloc() calls with a valid count, counted before the attempt */ \
   _(allocation_successes_total)     /* alloc() calls that returned blocks */                           \
   _(allocated_blocks_total)         /* blocks handed out by successful alloc() calls */                \
@@ -52,9 +52,9 @@ constexpr std::size_t kMaxErrorMessage = 256;
 
 // The last error, published whole: readers see one record or the next, never a mix.
 struct ErrorRecord {
-  int code = 0;                 // the driver's CUresult, an errno, or -1
+  int code = 0;  // the driver's CUresult, an errno, or -1
   std::uint64_t unix_ns = 0;
-  std::string message;          // cut to kMaxErrorMessage bytes
+  std::string message;  // cut to kMaxErrorMessage bytes
 };
 
 }  // namespace kvcached

@@ -21,7 +21,7 @@ struct Range {
 
 Range g_ranges[kSlots];
 std::mutex g_slots_mu;  // taking and giving back slots (never in the handler)
-struct sigaction g_previous {};
+struct sigaction g_previous{};
 std::once_flag g_installed;
 
 void on_sigbus(int sig, siginfo_t* info, void* context) {
@@ -43,8 +43,7 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
     g_previous.sa_sigaction(sig, info, context);
     return;
   }
-  if ((g_previous.sa_flags & SA_SIGINFO) == 0 && g_previous.sa_handler != SIG_DFL &&
-      g_previous.sa_handler != SIG_IGN) {
+  if ((g_previous.sa_flags & SA_SIGINFO) == 0 && g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
     g_previous.sa_handler(sig);
     return;
   }
@@ -52,7 +51,7 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
 }
 
 void install() {
-  struct sigaction action {};
+  struct sigaction action{};
   action.sa_sigaction = on_sigbus;
   action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
   sigemptyset(&action.sa_mask);

@@ -23,7 +23,8 @@ namespace {
 
 std::uint64_t unix_ns() {
   return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
 }
 
 void copy_text(char* dst, std::size_t cap, const std::string& src) {
@@ -33,7 +34,7 @@ void copy_text(char* dst, std::size_t cap, const std::string& src) {
 
 // Shared (not private) futex: the word lives in a file mapping seen by several processes.
 void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, int timeout_ms) {
-  struct timespec ts {};
+  struct timespec ts{};
   ts.tv_sec = timeout_ms / 1000;
   ts.tv_nsec = static_cast<long>(timeout_ms % 1000) * 1000000L;
   syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
@@ -71,15 +72,17 @@ void open_segment(const std::string& path, bool writable, MappedSegment& out) {
     if (errno == ENOENT) throw SegmentError(path + ": gone (its owner closed it)");
     throw SegmentError(path + ": cannot open: " + std::strerror(errno));
   }
-  struct stat st {};
+  struct stat st{};
   if (fstat(out.fd, &st) != 0 || !S_ISREG(st.st_mode)) throw SegmentError(path + ": not a regular file");
   if (st.st_uid != geteuid())
     throw SegmentError(path + ": owned by uid " + std::to_string(st.st_uid) + ", not by you; not a segment of yours");
-  if (st.st_mode & 077) throw SegmentError(path + ": open to other users (mode " + std::to_string(st.st_mode & 0777) + "); refusing it");
+  if (st.st_mode & 077)
+    throw SegmentError(path + ": open to other users (mode " + std::to_string(st.st_mode & 0777) + "); refusing it");
   if (static_cast<std::size_t>(st.st_size) < sizeof(SegmentLayout))
     throw SegmentError(path + ": truncated (" + std::to_string(st.st_size) + " bytes; a segment has " +
                        std::to_string(sizeof(SegmentLayout)) + ")");
-  void* mem = mmap(nullptr, sizeof(SegmentLayout), writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, out.fd, 0);
+  void* mem =
+      mmap(nullptr, sizeof(SegmentLayout), writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, out.fd, 0);
   if (mem == MAP_FAILED) throw SegmentError(path + ": cannot map: " + std::strerror(errno));
   out.seg = static_cast<SegmentLayout*>(mem);
   out.guard = std::make_unique<SigbusGuard>(mem, sizeof(SegmentLayout));
@@ -120,7 +123,7 @@ SegmentLayout* ControlSegment::create_file() {
     unlink(tmp.c_str());
     throw BackendError("cannot size control segment " + tmp + ": " + std::strerror(err), err);
   }
-  struct stat st {};
+  struct stat st{};
   void* mem = fstat(fd, &st) == 0 ? mmap(nullptr, sizeof(SegmentLayout), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                                   : MAP_FAILED;
   ::close(fd);
@@ -164,7 +167,7 @@ SegmentLayout* ControlSegment::create_file() {
 }
 
 bool ControlSegment::file_intact() const noexcept {
-  struct stat st {};
+  struct stat st{};
   return lstat(path_.c_str(), &st) == 0 && st.st_ino == inode_ && S_ISREG(st.st_mode);
 }
 
@@ -201,7 +204,7 @@ void ControlSegment::publish_to(SegmentLayout* seg) noexcept {
     const std::uint64_t in_use = static_cast<std::uint64_t>(s.used_pages) * seg->page_bytes * seg->num_buffers;
     const bool over = s.limit_bytes != BlockAllocator::kNoLimit && in_use > s.limit_bytes;
     seg->applied_status.store(static_cast<std::uint32_t>(over ? LimitStatus::kDeferred : LimitStatus::kApplied),
-                               std::memory_order_relaxed);
+                              std::memory_order_relaxed);
   }
   constexpr auto r = std::memory_order_relaxed;
   seg->state_seq.fetch_add(1, std::memory_order_acq_rel);  // odd: writing

@@ -17,7 +17,7 @@
 namespace kvcached {
 
 constexpr std::uint64_t kSegmentMagic = 0x0131474553435654ULL;  // "TVCSEG\x31\x01" little-endian
-constexpr std::uint32_t kSegmentLayoutVersion = 2;  // 2: operation counters published
+constexpr std::uint32_t kSegmentLayoutVersion = 2;              // 2: operation counters published
 
 struct SegmentLayout {
   // -- identity: written once, before the file is visible

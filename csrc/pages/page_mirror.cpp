@@ -24,9 +24,11 @@ PageMirror::PageMirror(const std::string& path, std::shared_ptr<MemoryBackend> b
   const auto page_bytes = static_cast<std::size_t>(g.page_bytes);
   if (page_bytes == 0 || page_bytes % backend_->granularity() != 0)
     throw InvalidArgument("the planner's page size (" + std::to_string(g.page_bytes) + " bytes) is not a multiple of " +
-                          "this device's granularity (" + std::to_string(backend_->granularity()) + "); plan for this device");
-  region_ = std::make_unique<PagedRegion>(backend_, page_bytes, static_cast<std::size_t>(g.num_pages),
-                                          static_cast<std::size_t>(g.num_layers * g.num_kv_buffers), pool_target, pool_max);
+                          "this device's granularity (" + std::to_string(backend_->granularity()) +
+                          "); plan for this device");
+  region_ =
+      std::make_unique<PagedRegion>(backend_, page_bytes, static_cast<std::size_t>(g.num_pages),
+                                    static_cast<std::size_t>(g.num_layers * g.num_kv_buffers), pool_target, pool_max);
   mapped_.assign(static_cast<std::size_t>((g.num_pages + 63) / 64), 0);
   slot_ = table_.claim_worker_slot();
   report(0);
@@ -62,7 +64,8 @@ SyncResult PageMirror::sync() {
   std::vector<std::int64_t> drop, add;
   for (std::size_t w = 0; w < desired_.size(); ++w) {
     if (desired_[w] == mapped_[w]) continue;
-    for (std::int64_t page = static_cast<std::int64_t>(w) * 64; page < std::min<std::int64_t>(pages, (w + 1) * 64); ++page) {
+    for (std::int64_t page = static_cast<std::int64_t>(w) * 64; page < std::min<std::int64_t>(pages, (w + 1) * 64);
+         ++page) {
       const bool want = test_bit(desired_, page);
       if (want != test_bit(mapped_, page)) (want ? add : drop).push_back(page);
     }

@@ -53,8 +53,8 @@ class PageMirror {
   std::unique_ptr<PagedRegion> region_;
   int slot_ = -1;
   mutable std::mutex mu_;
-  std::vector<std::uint64_t> mapped_;    // this worker's bitmap
-  std::vector<std::uint64_t> desired_;   // scratch copy of the planner's
+  std::vector<std::uint64_t> mapped_;   // this worker's bitmap
+  std::vector<std::uint64_t> desired_;  // scratch copy of the planner's
   bool closed_ = false;
 };
 

@@ -5,8 +5,8 @@
 // It refills only once no handle has been taken for `refill_idle_us`: the driver serializes VMM calls, so
 // a cuMemCreate running beside a burst of mappings would slow each of them by its own cost.
 // Handles given back beyond `max_pooled` are released to the device, and once no handle has been taken for
-// `release_idle_ms` the pool shrinks back to `target`: an idle engine keeps no more than it promised. The thread is pure C++: it never
-// touches the Python interpreter, so it cannot deadlock with the GIL.
+// `release_idle_ms` the pool shrinks back to `target`: an idle engine keeps no more than it promised. The thread is
+// pure C++: it never touches the Python interpreter, so it cannot deadlock with the GIL.
 #pragma once
 
 #include <atomic>
@@ -23,12 +23,12 @@
 namespace kvcached {
 
 struct PagePoolConfig {
-  std::size_t handle_bytes = 0;   // size of every handle (the allocator's physical page size)
-  std::size_t target = 0;         // ready handles the thread keeps; 0 = none created ahead
-  std::size_t max_pooled = 0;     // bound on handles kept; extras are released
-  int refresh_ms = 20;            // how often the cached free-memory figure is refreshed
-  int refill_idle_us = 1000;      // quiet time after the last take() before the thread creates handles
-  int release_idle_ms = 1000;     // quiet time after which handles beyond `target` are released
+  std::size_t handle_bytes = 0;  // size of every handle (the allocator's physical page size)
+  std::size_t target = 0;        // ready handles the thread keeps; 0 = none created ahead
+  std::size_t max_pooled = 0;    // bound on handles kept; extras are released
+  int refresh_ms = 20;           // how often the cached free-memory figure is refreshed
+  int refill_idle_us = 1000;     // quiet time after the last take() before the thread creates handles
+  int release_idle_ms = 1000;    // quiet time after which handles beyond `target` are released
 };
 
 class PagePool {
@@ -67,8 +67,8 @@ class PagePool {
   std::vector<PhysHandle> handles_;
   std::atomic<std::size_t> ready_count_{0};
   std::atomic<std::size_t> free_bytes_{0};
-  std::mutex free_mu_;                      // orders refresh_free_bytes() against note_created()
-  std::atomic<std::uint64_t> created_{0};   // handles created so far
+  std::mutex free_mu_;                     // orders refresh_free_bytes() against note_created()
+  std::atomic<std::uint64_t> created_{0};  // handles created so far
   std::atomic<std::int64_t> last_take_ns_{0};
   bool stop_ = false;
   bool creating_ = false;  // the refill thread is creating a handle outside mu_ (guarded by mu_)

@@ -45,7 +45,8 @@ PageTable PageTable::create(const std::string& path, const PageTableGeometry& ge
   int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) throw BackendError("cannot create page table " + tmp + ": " + std::strerror(errno), errno);
   void* mem = MAP_FAILED;
-  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0) mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0)
+    mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   ::close(fd);
   if (mem == MAP_FAILED) {
@@ -71,7 +72,7 @@ PageTable PageTable::create(const std::string& path, const PageTableGeometry& ge
 PageTable PageTable::open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) throw SegmentError(path + ": cannot open page table: " + std::strerror(errno));
-  struct stat st {};
+  struct stat st{};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077) ||
       static_cast<std::size_t>(st.st_size) < sizeof(PageTableHeader)) {
     ::close(fd);

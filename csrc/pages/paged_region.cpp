@@ -28,8 +28,8 @@ PagedRegion::PagedRegion(std::shared_ptr<MemoryBackend> backend, std::size_t pag
 
 std::uintptr_t PagedRegion::buffer_address(std::int64_t buffer) const {
   if (buffer < 0 || static_cast<std::size_t>(buffer) >= num_buffers_)
-    throw InvalidArgument("buffer index " + std::to_string(buffer) + " out of range [0, " + std::to_string(num_buffers_) +
-                          ")");
+    throw InvalidArgument("buffer index " + std::to_string(buffer) + " out of range [0, " +
+                          std::to_string(num_buffers_) + ")");
   return page_address(static_cast<std::size_t>(buffer), 0);
 }
 

@@ -46,7 +46,7 @@ def test_outputs_are_token_for_token_identical(runs):
 def test_without_the_plugin_nothing_is_elastic(runs):
     for name in ("vanilla", "not-allowed"):
         assert runs[name]["pools_at_start"] == [], f"{name} created kvcached pools"
-        assert "patches installed" not in runs[name]["log"], f"{name} installed kvcached's patches"
+        assert "patches applied" not in runs[name]["log"], f"{name} installed kvcached's patches"
 
 
 def test_elastic_engine_is_visible_and_virtual(runs):

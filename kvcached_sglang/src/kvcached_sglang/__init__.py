@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from kvcached_core import ConfigError, load_settings
-from kvcached_core.patches import EngineSupport, Patch, PluginLoadError, Uses, load_checked
+from kvcached_core.patches import EngineSupport, Patch, Uses
+from kvcached_core.plugin import EnginePlugin
 
 __version__ = "0.1.0"
 SUPPORT = EngineSupport(
@@ -18,9 +18,6 @@ SUPPORT = EngineSupport(
     distributions=("sglang",),
     supported=tuple(f"0.5.{n}" for n in range(16, 24)),  # 0.5.16 to 0.5.23, each release read or run
 )
-
-logger = logging.getLogger(__name__)
-_state = {"registered": False, "active": False}
 
 
 def patch_source() -> tuple[tuple[Patch, ...], tuple[str | Uses, ...]]:
@@ -30,27 +27,13 @@ def patch_source() -> tuple[tuple[Patch, ...], tuple[str | Uses, ...]]:
     return PATCHES, USED_SYMBOLS
 
 
-def register() -> None:
-    """SGLang plugin entry point: register kvcached's patches with SGLang's HookRegistry (once per process)."""
-    if _state["registered"]:
-        return
-    _state["registered"] = True
-    try:
-        if not load_settings().enable:
-            logger.info("kvcached: disabled by KVCACHED_ENABLE=0; SGLang runs with its own KV cache")
-            return
-        version, patches = load_checked(SUPPORT, patch_source)
-    except (PluginLoadError, ConfigError) as exc:
-        logger.error("kvcached: %s; SGLang runs with its own KV cache", exc)
-        return
+def register_hook(patch: Patch) -> None:
+    """Hands one checked patch to SGLang's HookRegistry, which applies it."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for patch in patches:
-        HookRegistry.register(patch.target, patch.hook, HookType[patch.kind.upper()])
-    _state["active"] = True
-    logger.info("kvcached: %d patches registered for SGLang %s", len(patches), version)
+    HookRegistry.register(patch.target, patch.hook, HookType[patch.kind.upper()])
 
 
-def active() -> bool:
-    """Whether this process registered kvcached's patches."""
-    return _state["active"]
+PLUGIN = EnginePlugin(SUPPORT, patch_source, register_hook, logging.getLogger(__name__), raise_on_error=False)
+register = PLUGIN.register
+active = PLUGIN.active

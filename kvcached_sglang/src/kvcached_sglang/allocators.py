@@ -89,8 +89,8 @@ class ElasticAllocatorMixin:
 class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocator):
     """``TokenToKVPoolAllocator`` (page_size 1) over an elastic pool: one kvcached block per token slot.
 
-    Replaces ``sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator`` (SGLang 0.5.19 on;
-    :class:`ElasticTokenToKVPoolAllocatorFlagGroups` before).
+    Replaces ``sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator`` (the patch unit states the
+    releases; :class:`ElasticTokenToKVPoolAllocatorFlagGroups` serves the earlier ones).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -138,8 +138,8 @@ class ElasticTokenToKVPoolAllocatorFlagGroups(ElasticTokenToKVPoolAllocator):
 class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
     """``PagedTokenToKVPoolAllocator`` over an elastic pool: one kvcached block per SGLang page.
 
-    Replaces ``sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator`` (SGLang 0.5.17 on;
-    :class:`ElasticPagedTokenToKVPoolAllocatorInlineFree` in 0.5.16). The exact
+    Replaces ``sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator`` (the patch unit states the
+    releases; :class:`ElasticPagedTokenToKVPoolAllocatorInlineFree` serves the earlier ones). The exact
     number of new pages is computed first (from the CPU lengths SGLang passes), exactly that many are taken,
     and SGLang's own ``alloc``/``alloc_extend``/``alloc_decode`` lay the token indices out over them.
     """

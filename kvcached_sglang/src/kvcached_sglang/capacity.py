@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcached_core import load_settings
+from kvcached_core.backends import cuda_device
 from kvcached_core.segment import held_by_other_processes
 
 _profiling: contextvars.ContextVar[bool] = contextvars.ContextVar("kvcached_sglang_profiling", default=False)
@@ -37,7 +38,7 @@ def free_memory_with_elastic_peers(
     free_gb = original(device, gpu_id, *args, **kwargs)
     if not _profiling.get():
         return free_gb
-    label = f"cuda:{gpu_id}" if device == "cuda" else device
+    label = cuda_device(gpu_id) if device == "cuda" else device
     return free_gb + held_by_other_processes(load_settings(), label) / (1 << 30)
 
 

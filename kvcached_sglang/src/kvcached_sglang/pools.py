@@ -18,6 +18,8 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
 
 from kvcached_core import KVCacheManager
+from kvcached_core.backends import device_name
+from kvcached_core.manager import instance_name_for
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +33,11 @@ def instance_name() -> str | None:
         from sglang.srt.runtime_context import get_parallel, get_server_args
 
         args = get_server_args()
-        name = getattr(args, "served_model_name", None) or getattr(args, "model_path", None)
-        if not name:
-            return None
-        name = str(name).rstrip("/").rsplit("/", 1)[-1]
         parallel = get_parallel()
-        if getattr(parallel, "tp_size", 1) > 1:
-            name += f"-tp{parallel.tp_rank}"
-        return name
+        model = getattr(args, "served_model_name", None) or getattr(args, "model_path", None)
+        return instance_name_for(model, parallel.tp_rank if getattr(parallel, "tp_size", 1) > 1 else None)
     except Exception:  # no server context (a pool built outside a server): fall back to the default name
         return None
-
-
-def _device(device: str) -> str:
-    if device == "cuda":
-        return f"cuda:{torch.cuda.current_device()}"
-    return device
 
 
 def elastic_buffers(
@@ -72,7 +63,7 @@ def elastic_buffers(
         block_bytes=sizes[0] * page_size // rows,
         num_layers=pool.layer_num,
         num_kv_buffers=len(shapes),
-        device=_device(pool.device),
+        device=device_name(pool.device),
         pool_name=pool_name,
         name=instance_name(),
         engine="sglang",
@@ -91,7 +82,7 @@ def elastic_buffers(
 class ElasticMHATokenToKVPool(MHATokenToKVPool):
     """SGLang's MHA pool (pool_name ``mha``) with per-layer K and V buffers in kvcached memory.
 
-    Replaces ``sglang.srt.mem_cache.memory_pool.MHATokenToKVPool`` (SGLang 0.5.16 on). Only the unquantized
+    Replaces ``sglang.srt.mem_cache.memory_pool.MHATokenToKVPool``. Only the unquantized
     NHD/HND buffers become elastic; other layouts keep SGLang's buffers (and its allocator then behaves as
     SGLang's own).
     """
@@ -119,7 +110,7 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
 class ElasticMLATokenToKVPool(MLATokenToKVPool):
     """SGLang's MLA pool (pool_name ``mla``) with its per-layer latent buffer in kvcached memory.
 
-    Replaces ``sglang.srt.mem_cache.memory_pool.MLATokenToKVPool`` (SGLang 0.5.16 on).
+    Replaces ``sglang.srt.mem_cache.memory_pool.MLATokenToKVPool``.
     """
 
     kvcached_manager: KVCacheManager | None = None
@@ -141,11 +132,12 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
 class ElasticMambaPool(MambaPool):
     """SGLang's Mamba state pool (pool_name ``mamba``) with every slot's state in kvcached memory.
 
-    Replaces ``sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool.mamba_pool_cls`` (SGLang 0.5.22 on;
-    :class:`ElasticMambaPoolPageMajor` before). The states use SGLang's own slot-major envelope layout (one
-    entry holds a slot's conv and temporal state of every layer), so one kvcached block is one slot and slot
-    0, SGLang's dummy slot, is the reserved null block. Speculative decoding and ReplaySSM add per-slot
-    scratch outside that entry: with either, the pool keeps SGLang's buffers.
+    Replaces ``sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool.mamba_pool_cls`` (the patch unit states
+    the releases; :class:`ElasticMambaPoolPageMajor` serves the earlier ones). The states use SGLang's own
+    slot-major envelope layout (one entry holds a slot's conv and temporal state of every layer), so one
+    kvcached block is one slot and slot 0, SGLang's dummy slot, is the reserved null block. Speculative
+    decoding and ReplaySSM add per-slot scratch outside that entry: with either, the pool keeps SGLang's
+    buffers.
     """
 
     kvcached_manager: KVCacheManager | None = None
@@ -186,7 +178,7 @@ class ElasticMambaPool(MambaPool):
             block_bytes=entry,
             num_layers=1,
             num_kv_buffers=1,
-            device=_device(self.device),
+            device=device_name(self.device),
             pool_name="mamba",
             name=instance_name(),
             engine="sglang",

