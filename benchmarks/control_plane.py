@@ -1,10 +1,9 @@
 """Benchmark of the kvcached control plane: kvctl limits reaching a running process, CLI startup, and the
 cost of the limit check on the alloc path.
 
-Run it from outside the checkout (so the installed package, with its native module, is imported)::
+Run it with the installed kvcached-core::
 
-    cd /tmp && python /path/to/kvcached/benchmarks/control_plane.py --device cpu --json \\
-        --out /path/to/kvcached/benchmarks/results/control_plane_cpu.json
+    python benchmarks/control_plane.py --device cpu --json --out benchmarks/results/control_plane_cpu.json
 
 A workload process (``sys.executable`` running a small inline script) owns a ``KVCacheManager`` named
 ``bench-target`` whose control segment lives in a private runtime directory (``KVCACHED_RUNTIME_DIR`` set

@@ -9,7 +9,6 @@ bash "$repo/scripts/setup.sh"
 bash "$repo/scripts/setup_vllm.sh"
 venv="${KVCACHED_VENV:-$repo/.venv}"
 vllm_venv="${KVCACHED_VLLM_VENV:-$repo/.venv-vllm}"
-cd /tmp
 "$vllm_venv/bin/python" "$repo/examples/01_two_engines/run.py" "$@"
 if "$venv/bin/python" -c "import kvcached_core as kc, sys; sys.exit('cuda' not in kc.available_backends())"; then
   "$venv/bin/python" "$repo/examples/00_two_processes/run.py" --device cuda

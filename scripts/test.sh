@@ -14,8 +14,9 @@ bash "$repo/scripts/setup.sh"
 venv="${KVCACHED_VENV:-$repo/.venv}"
 "$venv/bin/ruff" check "$repo"
 "$venv/bin/clang-format" --dry-run --Werror "$repo"/csrc/*/*.cpp "$repo"/csrc/*/*.h  # style: .clang-format
-# From outside the checkout, so the installed packages (with the native module) are what gets imported.
-cd /tmp
+# Every package lives under a src/ folder, so the checkout never shadows what is installed (with the native
+# module): the tests import the installed packages from anywhere.
+cd "$repo"
 "$venv/bin/python" -m pytest -p no:cacheprovider "$repo/tests" "$@"
 
 # engine_suite SETUP_SCRIPT VERSION VENV TESTS [pytest args]

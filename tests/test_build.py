@@ -63,7 +63,7 @@ def test_builds_and_runs_without_cuda_headers(tmp_path):
     log = subprocess.run(["cmake", "--build", str(build), "-j2"], capture_output=True, text=True)
     assert log.returncode == 0, log.stdout + log.stderr
     package = tmp_path / "site" / "kvcached_core"
-    shutil.copytree(repo / "kvcached_core", package)
+    shutil.copytree(repo / "src" / "kvcached_core", package)
     for built in build.glob("_native*.so"):
         shutil.copy(built, package)
     code = "import kvcached_core as kc; print(kc.available_backends()); print(kc.cuda_unavailable_reason())"

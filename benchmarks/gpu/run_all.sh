@@ -29,7 +29,7 @@ fi
 grep -E "warning:|kvcached: " "$out/build.log" | head -20
 
 echo "== tests"
-# From outside the checkout, so the installed package (with its native module) is imported.
+# From /tmp, so nothing the tests write lands in the checkout.
 (cd /tmp && "$py" -m pytest -v -p no:cacheprovider "$repo/tests") > "$out/pytest.log" 2>&1 || status=1
 tail -1 "$out/pytest.log"
 
