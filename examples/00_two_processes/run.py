@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import queue
 import shutil
@@ -31,6 +30,9 @@ from typing import Any
 import kvcached_core as kc
 from kvcached_core.control import settings_for
 from kvcached_core.segment import segment_dir
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/
+from demo_device import hold_gpu_ballast, resolve_device  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 MIB = 1 << 20
@@ -74,41 +76,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.budget_bytes < 32 * MIB or not 1 <= args.duration <= 600:
         p.error("--budget must be at least 32M and --duration between 1 and 600 seconds")
     return args
-
-
-def resolve_device(choice: str) -> str:
-    """'cpu' or 'cuda' for ``--device``; exits with a message when cuda was asked for and is unusable."""
-    if choice == "cpu":
-        return "cpu"
-    reason = kc.cuda_unavailable_reason()
-    if not reason:
-        import torch  # only here: the CPU path never needs torch in the driver
-
-        if not torch.cuda.is_available():
-            reason = f"torch {torch.__version__} sees no CUDA device"
-    if not reason:
-        return "cuda"
-    if choice == "cuda":
-        sys.exit(f"run.py: --device cuda is not usable: {reason}")
-    return "cpu"
-
-
-def hold_gpu_ballast(budget: int) -> tuple[Any, int]:
-    """Allocate GPU memory until only about ``budget`` bytes are free; returns (ballast tensor, free bytes).
-    Call it after the workers made their CUDA contexts and before they make their managers."""
-    import torch
-
-    free, _total = torch.cuda.mem_get_info()
-    grain = 2 * MIB
-    size = math.ceil(max(0, free - budget) / grain) * grain
-    ballast = None
-    while size > 0 and ballast is None:
-        try:
-            ballast = torch.empty(size, dtype=torch.uint8, device="cuda")
-        except torch.OutOfMemoryError:  # free memory is never quite all allocatable: take a bit less
-            size -= 32 * grain
-    free_after, _ = torch.cuda.mem_get_info()
-    return ballast, free_after
 
 
 def read_lines(engine: Engine, events: Events) -> None:

@@ -14,7 +14,6 @@ Exit status: 0 when every check passed, 1 when one failed, 128 + the signal numb
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -27,11 +26,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import kvcached_core as kc
 from kvcached_core import control
 from kvcached_core.segment import segment_dir
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/
+from demo_device import hold_gpu_ballast, resolve_device  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 1 << 20
@@ -40,15 +41,6 @@ COLORS = {"engine-A": "tab:blue", "engine-B": "tab:orange"}
 BLOCK_BYTES = 64 * 1024  # per buffer; 2 layers x K/V = 256 KiB a block, 8 MiB logical pages
 SAMPLE_S = 0.05
 STATES = ("deferred", "applied")  # limit_status while above the limit, then once under it
-
-
-def load_demo00() -> ModuleType:
-    """examples/00_two_processes/run.py as a module: its device choice and GPU ballast are reused."""
-    spec = importlib.util.spec_from_file_location("demo00", os.path.join(HERE, "..", "00_two_processes", "run.py"))
-    assert spec is not None and spec.loader is not None
-    module = sys.modules["demo00"] = importlib.util.module_from_spec(spec)  # registered: it has dataclasses
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -343,8 +335,7 @@ def leftovers(runtime_dir: str, segments: str) -> list[str]:
 
 def run(args: argparse.Namespace, runtime_dir: str, procs: list[subprocess.Popen[str]]) -> int:
     """Start the workers, run the script, check, plot; the exit status (main stops the workers on errors)."""
-    demo00 = load_demo00()
-    device = demo00.resolve_device(args.device)
+    device = resolve_device(args.device)
     budget = args.budget_bytes
     env = dict(os.environ, KVCACHED_RUNTIME_DIR=runtime_dir, PYTHONUNBUFFERED="1")
     if device == "cpu":
@@ -355,7 +346,7 @@ def run(args: argparse.Namespace, runtime_dir: str, procs: list[subprocess.Popen
     start_workers(procs, device, budget, env)
     ballast = None
     if device == "cuda":  # leave only the budget free on the GPU, as examples/00_two_processes does
-        ballast, budget = demo00.hold_gpu_ballast(budget)
+        ballast, budget = hold_gpu_ballast(budget)
         print(f"GPU ballast held: {budget / MIB:.0f} MiB left free for the two engines")
     settings = control.settings_for(runtime_dir)
     segments = segment_dir(settings)
