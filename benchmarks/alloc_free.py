@@ -30,20 +30,27 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+# Shared with the other benchmarks here (this script's directory is sys.path[0]).
+from _common import (
+    benchmark_parser,
+    machine_info,
+    positive_int,
+    summarize,
+    time_call_batches,
+    time_once_us,
+    time_pair_batches,
+    write_report,
+)
 
 import kvcached_core
 from kvcached_core import KVCacheManager
-from kvcached_core.backends import get_backend, parse_device
-from kvcached_core.config import load_settings
+from kvcached_core.backends import parse_device
 
 PAIR_SIZES: tuple[tuple[int, int], ...] = ((1, 20000), (16, 5000), (128, 1000))  # (k, iterations/batch)
 AVAILABLE_SIZE_ITERATIONS = 100000
@@ -56,75 +63,6 @@ POOL_WAIT_TIMEOUT_S = 30.0
 FLOOR_ITERATIONS = 32
 FLOOR_ROUNDS = 4  # alternating rounds of floor and warm samples on CUDA
 LONG_RECLAIM_DELAY_MS = 600_000  # keeps the background reclaimer out of the unmap measurement
-
-# ---- statistics -----------------------------------------------------------------------------------
-
-
-def summarize(samples_us: Sequence[float]) -> dict[str, float | int]:
-    """Median and p99 (linear interpolation; with few samples p99 is close to the worst) of samples."""
-    ordered = sorted(samples_us)
-    rank = 0.99 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    p99 = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-    return {
-        "median": round(statistics.median(ordered), 4),
-        "p99": round(p99, 4),
-        "min": round(ordered[0], 4),
-        "samples": len(ordered),
-    }
-
-
-# ---- timed loops ----------------------------------------------------------------------------------
-
-
-def time_pair_batches(
-    alloc: Callable[[int], Any], free: Callable[[Any], Any], k: int, iterations: int, batches: int
-) -> list[float]:
-    """Per-call microseconds of ``free(alloc(k))``, one sample per batch of ``iterations`` calls.
-
-    Pair and baseline share this exact loop, so their difference is only the callee.
-    """
-    samples: list[float] = []
-    clock = time.perf_counter_ns
-    loop = range(iterations)
-    gc.disable()
-    try:
-        for _ in range(batches):
-            start = clock()
-            for _ in loop:
-                free(alloc(k))
-            samples.append((clock() - start) / iterations / 1000.0)
-    except TypeError as exc:  # free(None): alloc failed inside the loop
-        raise RuntimeError(f"alloc({k}) returned None inside the timed loop on mapped pages: {exc}") from exc
-    finally:
-        gc.enable()
-    return samples
-
-
-def time_call_batches(call: Callable[[], Any], iterations: int, batches: int) -> list[float]:
-    """Per-call microseconds of ``call()``, one sample per batch of ``iterations`` calls."""
-    samples: list[float] = []
-    clock = time.perf_counter_ns
-    loop = range(iterations)
-    gc.disable()
-    try:
-        for _ in range(batches):
-            start = clock()
-            for _ in loop:
-                call()
-            samples.append((clock() - start) / iterations / 1000.0)
-    finally:
-        gc.enable()
-    return samples
-
-
-def time_once_us(call: Callable[[], Any]) -> tuple[float, Any]:
-    """Microseconds taken by one ``call()`` and its result."""
-    start = time.perf_counter_ns()
-    result = call()
-    return (time.perf_counter_ns() - start) / 1000.0, result
-
 
 # ---- managers -------------------------------------------------------------------------------------
 
@@ -328,28 +266,6 @@ def measure_warm_vs_floor(device: str, page_bytes: int, samples: int, rounds: in
 # ---- report ---------------------------------------------------------------------------------------
 
 
-def machine_info(device: str) -> dict[str, Any]:
-    """Where the numbers come from: host, CPU, memory, Python and library versions."""
-    info: dict[str, Any] = {
-        "node": platform.node(),
-        "processor": platform.processor() or platform.machine(),
-        "machine": platform.machine(),
-        "system": f"{platform.system()} {platform.release()}",
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "kvcached_core": kvcached_core.__version__,
-        "built_with_cuda": bool(kvcached_core._native.built_with_cuda),
-    }
-    try:
-        info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        info["mem_total_bytes"] = None
-    free_bytes, total_bytes = get_backend(device, load_settings()).mem_info()
-    info["device_mem_total_bytes"] = total_bytes
-    info["device_mem_free_bytes_at_end"] = free_bytes
-    return info
-
-
 def evaluate_targets(results: dict[str, Any]) -> dict[str, bool | None]:
     """The project's performance targets, as pass/fail (None where not measurable on this device)."""
     ratio = results["map_to_floor_ratio"]
@@ -455,35 +371,6 @@ def format_table(report: dict[str, Any]) -> str:
 # ---- command line ---------------------------------------------------------------------------------
 
 
-def device_arg(text: str) -> str:
-    """argparse type: 'cpu', 'cuda' or 'cuda:N', normalized."""
-    try:
-        kind, index = parse_device(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return "cpu" if kind == "host" else f"cuda:{index}"
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def benchmark_parser(description: str) -> argparse.ArgumentParser:
-    """The options every benchmark here shares: --device, --json, --out."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    parser.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE")
-    return parser
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; bad arguments exit with status 2 (argparse)."""
     parser = benchmark_parser(
@@ -514,11 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"device {args.device} unavailable: {kvcached_core.cuda_unavailable_reason()}", file=sys.stderr)
         return 2
     report = build_report(args.device, args.repeats, args.page_samples)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    text = write_report(report, args.out)
     print(text if args.json else format_table(report))
     return 0
 

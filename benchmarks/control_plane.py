@@ -82,8 +82,8 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-# The sibling benchmark script (this script's directory is sys.path[0]): shared statistics and timing.
-from alloc_free import benchmark_parser, machine_info, positive_int, summarize, time_pair_batches
+# Shared with the other benchmarks here (this script's directory is sys.path[0]).
+from _common import benchmark_parser, machine_info, positive_int, summarize, time_pair_batches, write_report
 
 import kvcached_core
 from kvcached_core import KVCacheManager, _native, kvctl
@@ -802,11 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     report = build_report(args.device, args)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    text = write_report(report, args.out)
     print(text if args.json else format_table(report))
     if not report["results"]["enforcement"]["ok"]:
         print("enforcement check failed; see results.enforcement.checks", file=sys.stderr)

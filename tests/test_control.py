@@ -19,53 +19,29 @@ from hypothesis import given, settings
 import kvcached_core as kc
 from kvcached_core import _native, kvctl, kvtop
 from kvcached_core.segment import scan, segment_dir
+from kvcached_core.workload import Workload
 
 MiB = 1024 * 1024
 PAGE = 8 * MiB  # one logical page of the workloads below: 2 layers x K/V x 2 MiB
 
-WORKLOAD = textwrap.dedent(
-    """
-    import sys, time, kvcached_core as kc
-    s = kc.load_settings({}, runtime_dir=sys.argv[1], reclaim_delay_ms=5)
-    m = kc.KVCacheManager(2048, 64 * 1024, 2, 2, device="cpu", name=sys.argv[2], settings=s, reserved_pages=0)
-    held = m.alloc(32 * int(sys.argv[3]))          # fill that many pages
-    print("ready", flush=True)
-    for line in sys.stdin:                          # "free N" / "alloc N" / "snap"
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "free":
-            n = int(arg); m.free(held[:n]); held = held[n:]
-            print("ok", flush=True)
-        elif cmd == "alloc":
-            ids = m.alloc(int(arg)); held += ids or []
-            print("ok" if ids else "miss", flush=True)
-        elif cmd == "snap":
-            print(m.snapshot()["mapped_bytes"], m.snapshot()["limit_bytes"], flush=True)
-    """
-)
 
-
-class Workload:
-    """A real process owning a manager, driven line by line over stdin."""
-
-    def __init__(self, runtime: str, name: str, pages: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKLOAD, runtime, name, str(pages)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=os.path.dirname(runtime),
-        )
-        assert self.proc.stdout.readline().strip() == "ready"
-
-    def ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=10)
+def workload(runtime: str, name: str, pages: int) -> Workload:
+    """A real process owning a manager (2 layers x K/V, 32 blocks a page) that holds ``pages`` full pages."""
+    return Workload(
+        "--runtime-dir",
+        runtime,
+        "--name",
+        name,
+        "--blocks",
+        "2048",
+        "--reclaim-delay-ms",
+        "5",
+        "--pool-target",
+        "4",
+        "--hold",
+        str(32 * pages),
+        cwd=os.path.dirname(runtime),
+    )
 
 
 @pytest.fixture
@@ -87,7 +63,7 @@ def list_json(runtime: str, capsys) -> list[dict]:
 
 
 def test_kvctl_limit_takes_effect_within_50ms_and_spares_the_other(runtime, capsys):
-    a, b = Workload(runtime, "engine-A", 4), Workload(runtime, "engine-B", 4)
+    a, b = workload(runtime, "engine-A", 4), workload(runtime, "engine-B", 4)
     try:
 
         def mapped() -> list[int]:  # state is republished every KVCACHED_WATCH_INTERVAL_MS (10 ms)
@@ -140,7 +116,7 @@ def test_limit_is_split_across_pools_by_virtual_capacity(runtime, capsys):
 
 
 def test_sigkilled_owner_is_never_listed_live_and_gc_removes_it(runtime, capsys):
-    w = Workload(runtime, "doomed", 1)
+    w = workload(runtime, "doomed", 1)
     assert [r["name"] for r in list_json(runtime, capsys)] == ["doomed"]
     os.kill(w.proc.pid, signal.SIGKILL)
     w.proc.wait()
@@ -155,7 +131,7 @@ def test_sigkilled_owner_is_never_listed_live_and_gc_removes_it(runtime, capsys)
 
 
 def test_new_manager_takes_over_a_dead_namesake(runtime, capsys):
-    w = Workload(runtime, "phoenix", 1)
+    w = workload(runtime, "phoenix", 1)
     w.proc.kill()
     w.proc.wait()
     s = kc.load_settings({}, runtime_dir=runtime)
@@ -344,7 +320,7 @@ def test_the_control_module_sets_limits_and_lists_instances_without_the_cli(runt
     on a live process is split across its pools, acknowledged, and shows in the instance rows."""
     from kvcached_core import control
 
-    w = Workload(runtime, "ctl", 2)
+    w = workload(runtime, "ctl", 2)
     try:
         s = control.settings_for(runtime)
         # The owner publishes its state every watch interval: wait for the snapshot after its alloc.

@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import string
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 import kvcached_core as kc
 from kvcached_core import control, kvctl, kvtop
 from kvcached_core.segment import creator_pid, page_table_dir, scan, segment_dir
+from kvcached_core.workload import Workload
 
 MiB = 1 << 20
 
@@ -149,39 +148,24 @@ def test_a_byte_copy_of_a_live_segment_is_not_a_second_pool(tmp_path, capsys):
     capsys.readouterr()
 
 
-OWNER = """
-import sys, kvcached_core as kc
-s = kc.load_settings({}, runtime_dir=sys.argv[1])
-m = kc.KVCacheManager(64, 64 * 1024, 1, 2, device="cpu", name="owner", settings=s)
-print("ready", flush=True)
-sys.stdin.readline()
-print(m.snapshot()["limit_bytes"], flush=True)
-sys.stdin.readline()
-"""
-
-
 @pytest.fixture
 def owner(tmp_path):
     runtime = str(tmp_path / "rt")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", OWNER, runtime], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "ready"
-    yield runtime, proc
-    os.kill(proc.pid, signal.SIGCONT)
-    proc.kill()
-    proc.wait()
+    w = Workload("--runtime-dir", runtime, "--name", "owner", "--blocks", "64", "--layers", "1")
+    yield runtime, w
+    os.kill(w.pid, signal.SIGCONT)
+    w.kill()
 
 
 def test_a_stopped_owner_is_waited_for_a_bounded_time_and_named_as_stopped(owner, capsys):
-    runtime, proc = owner
-    os.kill(proc.pid, signal.SIGSTOP)
-    assert wait_for(lambda: control.process_state(proc.pid) == "T")  # the signal is delivered asynchronously
+    runtime, w = owner
+    os.kill(w.pid, signal.SIGSTOP)
+    assert wait_for(lambda: control.process_state(w.pid) == "T")  # the signal is delivered asynchronously
     started = time.monotonic()
     assert kvctl.main(["--runtime-dir", runtime, "limit", "owner", "1M"]) == 3
     assert time.monotonic() - started < 5
     assert "stopped (SIGSTOP or a debugger)" in capsys.readouterr().out
-    os.kill(proc.pid, signal.SIGCONT)  # it takes the recorded request when it runs again
+    os.kill(w.pid, signal.SIGCONT)  # it takes the recorded request when it runs again
     deadline = time.monotonic() + 5
     while kvctl.main(["--runtime-dir", runtime, "list", "--json"]) == 0:
         rows = json.loads(capsys.readouterr().out)
@@ -192,7 +176,7 @@ def test_a_stopped_owner_is_waited_for_a_bounded_time_and_named_as_stopped(owner
 
 
 def test_a_segment_locked_by_another_process_does_not_hang_kvctl(owner, capsys):
-    runtime, _proc = owner
+    runtime, _w = owner
     s = kc.load_settings({}, runtime_dir=runtime)
     path = next(Path(segment_dir(s)).glob("*.seg"))
     with open(path, "rb") as held:
@@ -237,7 +221,7 @@ def test_links_planted_at_kvcached_paths_are_refused_and_nothing_outside_is_writ
 def test_a_live_segment_torn_down_under_its_owner_is_written_again_and_the_owner_lives(owner, capsys, how):
     """Touching a truncated shared mapping raises SIGBUS; the owner's guard puts private pages in place, and
     its watcher writes the segment again, as it does when the file is removed or another is renamed over it."""
-    runtime, proc = owner
+    runtime, w = owner
     s = kc.load_settings({}, runtime_dir=runtime)
     path = next(Path(segment_dir(s)).glob("*.seg"))
     if how == "truncate":
@@ -252,40 +236,41 @@ def test_a_live_segment_torn_down_under_its_owner_is_written_again_and_the_owner
     assert wait_for(lambda: [seg.info["name"] for seg in scan(segment_dir(s)).live] == ["owner"], timeout=15)
     assert kvctl.main(["--runtime-dir", runtime, "limit", "owner", "1M"]) == 0
     capsys.readouterr()
-    proc.stdin.write("\n")
-    proc.stdin.flush()
-    assert proc.stdout.readline().strip() == str(MiB)  # alive, and the limit reached it
-    assert proc.poll() is None
-
-
-LEDGER_OWNER = """
-import sys, time, kvcached_core as kc
-s = kc.load_settings({}, runtime_dir=sys.argv[1], host_device_bytes=64 << 20, reclaim_delay_ms=0)
-m = kc.KVCacheManager(64, 1 << 20, 1, 1, device="cpu", name="charged", settings=s, reserved_pages=0, pool_target=0)
-held = m.alloc(8)
-print("ready", held is not None, flush=True)
-sys.stdin.readline()
-print("alloc", m.alloc(8) is not None, flush=True)
-m.free(held)
-m.trim()
-print("mapped", m.snapshot()["mapped_bytes"], flush=True)
-"""
+    assert w.ask("snap").split()[1] == str(MiB)  # alive, and the limit reached it
+    assert w.proc.poll() is None
 
 
 def test_a_ledger_truncated_under_a_running_process_fails_safe(tmp_path):
     """The ledger's claims are gone with the truncation: the process stops charging (it cannot know what
     others hold) instead of dying of SIGBUS or granting memory the budget may not have."""
     runtime = tmp_path / "rt"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", LEDGER_OWNER, str(runtime)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    w = Workload(
+        "--runtime-dir",
+        str(runtime),
+        "--name",
+        "charged",
+        "--host-device-bytes",
+        str(64 << 20),
+        "--reclaim-delay-ms",
+        "0",
+        "--blocks",
+        "64",
+        "--block-bytes",
+        str(1 << 20),
+        "--layers",
+        "1",
+        "--kv-buffers",
+        "1",
+        "--hold",
+        "8",
     )
     try:
-        assert proc.stdout.readline().split() == ["ready", "True"]
+        assert w.ready_line == "ready"
         os.truncate(runtime / "host-device.ledger", 0)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().split() == ["alloc", "False"]
-        assert proc.stdout.readline().split() == ["mapped", "0"]  # what it held is freed as usual
-        assert proc.wait(timeout=30) == 0
+        assert w.ask("alloc 8") == "miss"
+        assert w.ask("free") == "ok"
+        assert w.ask("trim").startswith("ok")
+        assert w.ask("snap").split()[0] == "0"  # what it held is freed as usual
+        assert w.stop(timeout=30) == 0
     finally:
-        proc.kill()
+        w.kill()

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from conftest import rss_bytes, wait_for
 
 import kvcached_core as kc
+from kvcached_core.workload import Workload
 
 MiB = 1024 * 1024
 
@@ -92,31 +90,17 @@ def test_views_keep_address_space_reserved_after_close(make_manager):
         mgr.buffer(0, 0)  # no new view of memory that is gone
 
 
-HOLDER = textwrap.dedent(
-    """
-    import sys, time, kvcached_core as kc
-    s = kc.load_settings({}, runtime_dir=sys.argv[1], host_device_bytes=int(sys.argv[2]), reclaim_delay_ms=10)
-    m = kc.KVCacheManager(1024, 64 * 1024, 2, 2, device="cpu", settings=s, reserved_pages=0, pool_target=0)
-    ids = m.alloc(int(sys.argv[3]))
-    print("held" if ids else "miss", m.snapshot()["mapped_bytes"], flush=True)
-    sys.stdin.readline()      # hold until told
-    if ids: m.free(ids)
-    time.sleep(0.3)
-    print("freed", m.snapshot()["mapped_bytes"], flush=True)
-    sys.stdin.readline()
-    """
-)
-
-
-def start_holder(runtime: str, budget: int, blocks: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, runtime, str(budget), str(blocks)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=runtime.rsplit("/", 1)[0],  # not the checkout: import the installed package
+def start_holder(runtime: str, budget: int, blocks: int) -> Workload:
+    """Another process on the same host budget, holding ``blocks`` (2 layers x K/V: 32 blocks a page)."""
+    return Workload(
+        "--runtime-dir",
+        runtime,
+        "--host-device-bytes",
+        str(budget),
+        "--hold",
+        str(blocks),
+        cwd=os.path.dirname(runtime),
     )
-    return proc
 
 
 def test_host_budget_is_shared_between_processes(tmp_path, settings):
@@ -124,7 +108,7 @@ def test_host_budget_is_shared_between_processes(tmp_path, settings):
     budget = 64 * MiB  # 8 logical pages of 8 MiB
     other = start_holder(runtime, budget, 32 * 6)  # takes 6 pages = 48 MiB
     try:
-        assert other.stdout.readline().split() == ["held", str(48 * MiB)]
+        assert other.ready_line == "ready" and other.ask("snap").split()[0] == str(48 * MiB)
         # A long demand window: the pages a missed alloc mapped stay mapped for the next one (a reclaim racing
         # that next alloc would hold their memory for a moment and make it miss on a loaded machine).
         s = kc.load_settings({}, runtime_dir=runtime, host_device_bytes=budget, reclaim_delay_ms=60_000)
@@ -133,9 +117,8 @@ def test_host_budget_is_shared_between_processes(tmp_path, settings):
             assert mgr.alloc(32 * 3) is None  # 3 pages do not fit next to the other's 6: a miss, no crash
             mine = mgr.alloc(32 * 2)
             assert mine is not None
-            other.stdin.write("\n")
-            other.stdin.flush()
-            assert other.stdout.readline().split() == ["freed", "0"]
+            assert other.ask("free") == "ok"
+            assert wait_for(lambda: other.ask("snap").split()[0] == "0")  # reclaimed after its 10 ms window
             more = mgr.alloc(32 * 6)  # the memory the other process gave back
             assert more is not None
             assert mgr.snapshot()["mapped_bytes"] == budget
@@ -143,7 +126,6 @@ def test_host_budget_is_shared_between_processes(tmp_path, settings):
             mgr.close()
     finally:
         other.kill()
-        other.wait()
 
 
 def proc_state(pid: int) -> str:
@@ -155,7 +137,7 @@ def test_budget_held_by_a_killed_process_comes_back(tmp_path):
     runtime = str(tmp_path / "rt")
     budget = 64 * MiB
     other = start_holder(runtime, budget, 32 * 8)  # the whole budget
-    assert other.stdout.readline().split() == ["held", str(budget)]
+    assert other.ready_line == "ready" and other.ask("snap").split()[0] == str(budget)
     s = kc.load_settings({}, runtime_dir=runtime, host_device_bytes=budget, reclaim_delay_ms=10)
     mgr = kc.KVCacheManager(1024, 64 * 1024, 2, 2, device="cpu", settings=s, reserved_pages=0, pool_target=0)
     try:
@@ -165,7 +147,7 @@ def test_budget_held_by_a_killed_process_comes_back(tmp_path):
         assert mgr.alloc(32 * 8) is not None  # the dead owner's share counts as free at once
     finally:
         mgr.close()
-        other.wait()
+        other.proc.wait()
     ledger = os.path.join(runtime, "host-device.ledger")
     assert os.stat(ledger).st_mode & 0o777 == 0o600
     assert os.stat(runtime).st_mode & 0o777 == 0o700

@@ -6,20 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 
 from conftest import RUNTIME_DIR, make_mha_pool, make_paged_allocator, run_python
 
-MiB = 1 << 20
+from kvcached_core.workload import Workload
 
-HOLD_HOST_MEMORY = """
-import sys, kvcached_core as kc
-m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1, device="cpu",
-                      name="peer", engine="sglang", reserved_pages=0, pool_target=0)
-assert m.alloc(24) is not None
-print("ready", m.snapshot()["mapped_bytes"], flush=True)
-sys.stdin.readline()
-"""
+MiB = 1 << 20
 
 
 def test_profiling_counts_memory_other_elastic_engines_hold(sglang_loaded):
@@ -28,11 +22,27 @@ def test_profiling_counts_memory_other_elastic_engines_hold(sglang_loaded):
     def measured_free(*_args, **_kwargs):  # what SGLang's own measurement returns, in GB
         return 1.0
 
-    peer = run_python(HOLD_HOST_MEMORY)
+    # Another engine's pool in its own process, holding 24 MiB of host memory.
+    peer = Workload(
+        "--name",
+        "peer",
+        "--engine",
+        "sglang",
+        "--blocks",
+        "64",
+        "--block-bytes",
+        str(MiB),
+        "--layers",
+        "1",
+        "--kv-buffers",
+        "1",
+        "--hold",
+        "24",
+        cwd=tempfile.gettempdir(),
+    )
     try:
-        line = peer.stdout.readline().split()
-        assert line[0] == "ready", peer.stderr.read()
-        held = int(line[1])
+        assert peer.ready_line == "ready"
+        held = int(peer.ask("snap").split()[0])
         assert held >= 24 * MiB
         # Outside SGLang's KV budget profiling, free memory is what SGLang measured.
         assert free_memory_with_elastic_peers(measured_free, "cpu", 0) == 1.0
@@ -45,7 +55,6 @@ def test_profiling_counts_memory_other_elastic_engines_hold(sglang_loaded):
         assert during == 1.0 + held / (1 << 30)
     finally:
         peer.kill()
-        peer.wait()
 
 
 def test_idle_check_sees_logical_free_tokens(sglang_loaded):
