@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds kvcached-core on a CUDA machine, runs the whole test suite (GPU tests included), the CUDA
-# benchmarks, the GPU proof and both examples on the GPU; logs, JSON and a plot go into one folder (8 files).
+# benchmarks (burst growth included), the GPU proof and both examples on the GPU; logs, JSON and a plot go into
+# one folder (9 files).
 #
 #   bash benchmarks/gpu/run_all.sh [OUTPUT_DIR]      (default: $OUT, else ./gpu-out)
 #
@@ -40,6 +41,8 @@ step() {  # step NAME COMMAND...: run from /tmp, append to run.log, remember a f
 }
 step "alloc_free cuda" "$py" "$repo/benchmarks/alloc_free.py" --device cuda --page-samples 64 \
   --out "$out/alloc_free_cuda.json"
+step "growth cuda (1, 4, 16 GiB from empty, and back)" "$py" "$repo/benchmarks/growth.py" --device cuda \
+  --out "$out/growth_cuda.json"
 step "control_plane cuda" "$py" "$repo/benchmarks/control_plane.py" --device cuda --out "$out/control_plane_cuda.json"
 step "proof (churn 1e5 ops, unmap race, two processes, throughput, idle footprint)" \
   "$py" "$repo/benchmarks/gpu/proof.py" --out "$out/proof_cuda.json"

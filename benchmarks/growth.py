@@ -1,0 +1,152 @@
+"""Burst growth: how fast a manager goes from nothing mapped to N GiB of KV blocks, how fast it gives them
+back, and how that compares with the fastest way the device has to make the same bytes usable.
+
+    python benchmarks/growth.py [--device cpu|cuda[:N]] [--gib 1 4 16] [--json] [--out FILE]
+
+For each size, on a fresh manager (16 layers x K/V = 32 buffers of 16 KiB blocks, 2 MiB pages, the pool at
+its default target):
+
+- ``alloc1``: ``alloc(1)`` repeated until the blocks of N GiB are held (an engine's decode steps);
+- ``request``: ``alloc(128)`` repeated, one 2048-token request of 16-token blocks at a time (a prefill burst);
+- ``shrink``: ``free`` of everything held, then ``trim`` (what an engine going idle gives back);
+- ``floor``: the device's fastest way to make N GiB usable, measured in the same run: on CUDA, the median
+  cost of cuMemMap + cuMemSetAccess of one handle of the largest size tried (32 MiB and 512 MiB; created
+  ahead, as kvcached's pool does), scaled to N GiB; on the host, one mmap of N GiB with MAP_POPULATE.
+
+Each growth figure is GiB/s of mapped memory and its ratio to the floor. Prints a table, or JSON.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from collections.abc import Sequence
+from typing import Any
+
+# Shared with the other benchmarks here (this script's directory is sys.path[0]).
+from _common import benchmark_parser, machine_info, write_report
+
+import kvcached_core
+from kvcached_core import KVCacheManager, _native
+from kvcached_core.backends import parse_device
+
+GiB = 1 << 30
+MiB = 1 << 20
+LAYERS, KV = 16, 2
+BLOCK_BYTES = 16 * 1024  # per buffer: 16 tokens of a 8-head x 64-dim fp16 layer
+REQUEST_BLOCKS = 128  # a 2048-token request of 16-token blocks
+FLOOR_HANDLES = (32 * MiB, 512 * MiB)
+FLOOR_ITERATIONS = 8
+
+
+def make_manager(device: str, total_bytes: int) -> KVCacheManager:
+    """A manager whose blocks fill exactly ``total_bytes`` of mapped memory when all are held."""
+    num_blocks = total_bytes // (BLOCK_BYTES * LAYERS * KV)
+    return KVCacheManager(num_blocks, BLOCK_BYTES, LAYERS, KV, device=device, name="bench-growth")
+
+
+def grow(mgr: KVCacheManager, per_call: int) -> tuple[float, list[int]]:
+    """Seconds to hold every block, ``per_call`` blocks per alloc, and the ids held."""
+    held: list[int] = []
+    want = mgr.num_blocks
+    start = time.perf_counter()
+    while len(held) < want:
+        ids = mgr.alloc(min(per_call, want - len(held)))
+        if ids is None:
+            raise RuntimeError(f"alloc missed after {len(held)} of {want} blocks: the device is short of memory")
+        held += ids
+    return time.perf_counter() - start, held
+
+
+def shrink(mgr: KVCacheManager, held: list[int]) -> float:
+    """Seconds to free ``held`` and unmap every page."""
+    start = time.perf_counter()
+    mgr.free(held)
+    mgr.trim()
+    return time.perf_counter() - start
+
+
+def rate(total_bytes: int, seconds: float) -> float:
+    return round(total_bytes / GiB / seconds, 2)
+
+
+def cuda_floor_gib_s(device: str) -> dict[str, Any]:
+    """GiB/s of map + access over handles created ahead, per handle size, from bare driver calls."""
+    _, index = parse_device(device)
+    out: dict[str, Any] = {}
+    for handle in FLOOR_HANDLES:
+        f = _native._cuda_driver_floor(index, handle, FLOOR_ITERATIONS)
+        per_handle_us = sorted(m + a for m, a in zip(f["cuMemMap"], f["cuMemSetAccess"], strict=True))
+        median_us = per_handle_us[len(per_handle_us) // 2]
+        out[f"{handle // MiB}MiB"] = round(handle / GiB / (median_us / 1e6), 1)
+    return out
+
+
+def host_floor_gib_s(total_bytes: int) -> float:
+    """GiB/s of one populated anonymous mapping of ``total_bytes`` (the kernel's fastest way to hand out
+    that much zeroed memory)."""
+    start = time.perf_counter()
+    region = mmap.mmap(-1, total_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    seconds = time.perf_counter() - start
+    region.close()
+    return rate(total_bytes, seconds)
+
+
+def measure(device: str, gib: int, floor: dict[str, Any] | None) -> dict[str, Any]:
+    total = gib * GiB
+    result: dict[str, Any] = {"bytes": total}
+    for pattern, per_call in (("alloc1", 1), ("request", REQUEST_BLOCKS)):
+        with make_manager(device, total) as mgr:
+            seconds, held = grow(mgr, per_call)
+            mapped = mgr.snapshot()["mapped_bytes"]
+            result[pattern] = {"ms": round(seconds * 1e3, 1), "gib_s": rate(mapped, seconds), "mapped": mapped}
+            if pattern == "request":
+                s = shrink(mgr, held)
+                result["shrink"] = {"ms": round(s * 1e3, 1), "gib_s": rate(mapped, s)}
+    best = max(floor.values()) if floor else host_floor_gib_s(total)
+    result["floor_gib_s"] = floor if floor else best
+    for pattern in ("alloc1", "request"):
+        result[pattern]["floor_over_growth"] = round(best / result[pattern]["gib_s"], 1)
+    return result
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"growth on {report['device']} (GiB/s of mapped memory; floor/growth: how far from the device's best)"]
+    lines.append(f"{'GiB':>4} {'alloc(1)':>10} {'x floor':>8} {'alloc(128)':>11} {'x floor':>8} {'shrink':>8} floor")
+    for gib, r in report["results"].items():
+        lines.append(
+            f"{gib:>4} {r['alloc1']['gib_s']:>10} {r['alloc1']['floor_over_growth']:>8} {r['request']['gib_s']:>11} "
+            f"{r['request']['floor_over_growth']:>8} {r['shrink']['gib_s']:>8} {r['floor_gib_s']}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = benchmark_parser("Burst growth and shrink bandwidth of a kvcached manager, against the device floor.")
+    parser.add_argument("--gib", type=int, nargs="+", default=[1, 4, 16], help="sizes in GiB (default 1 4 16)")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and "cuda" not in kvcached_core.available_backends():
+        parser.error(f"device {args.device} unavailable: {kvcached_core.cuda_unavailable_reason()}")
+    started = time.time()
+    floor = cuda_floor_gib_s(args.device) if args.device.startswith("cuda") else None
+    results = {str(g): measure(args.device, g, floor) for g in args.gib}
+    report = {
+        "benchmark": "growth",
+        "device": args.device,
+        "machine": machine_info(args.device),
+        "parameters": {
+            "layers": LAYERS,
+            "kv_buffers": KV,
+            "block_bytes": BLOCK_BYTES,
+            "request_blocks": REQUEST_BLOCKS,
+        },
+        "duration_s": round(time.time() - started, 1),
+        "results": results,
+    }
+    text = write_report(report, args.out)
+    print(text if args.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
