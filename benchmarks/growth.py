@@ -1,10 +1,11 @@
 """Burst growth: how fast a manager goes from nothing mapped to N GiB of KV blocks, how fast it gives them
 back, and how that compares with the fastest way the device has to make the same bytes usable.
 
-    python benchmarks/growth.py [--device cpu|cuda[:N]] [--gib 1 4 16] [--json] [--out FILE]
+    python benchmarks/growth.py [--device cpu|cuda[:N]] [--gib 1 4 16] [--page-mib 2 ...] [--json] [--out FILE]
 
-For each size, on a fresh manager (16 layers x K/V = 32 buffers of 16 KiB blocks, 2 MiB pages, the pool at
-its default target):
+For each size and page size (``--page-mib``, default 2: what a coarser page buys in bandwidth and costs in
+elasticity), on a fresh manager (16 layers x K/V = 32 buffers of 16 KiB blocks, the pool at its default
+target):
 
 - ``alloc1``: ``alloc(1)`` repeated until the blocks of N GiB are held (an engine's decode steps);
 - ``request``: ``alloc(128)`` repeated, one 2048-token request of 16-token blocks at a time (a prefill burst);
@@ -39,10 +40,12 @@ FLOOR_HANDLES = (32 * MiB, 512 * MiB)
 FLOOR_ITERATIONS = 8
 
 
-def make_manager(device: str, total_bytes: int) -> KVCacheManager:
+def make_manager(device: str, total_bytes: int, page_bytes: int) -> KVCacheManager:
     """A manager whose blocks fill exactly ``total_bytes`` of mapped memory when all are held."""
     num_blocks = total_bytes // (BLOCK_BYTES * LAYERS * KV)
-    return KVCacheManager(num_blocks, BLOCK_BYTES, LAYERS, KV, device=device, name="bench-growth")
+    return KVCacheManager(
+        num_blocks, BLOCK_BYTES, LAYERS, KV, device=device, name="bench-growth", page_bytes=page_bytes
+    )
 
 
 def grow(mgr: KVCacheManager, per_call: int) -> tuple[float, list[int]]:
@@ -92,11 +95,11 @@ def host_floor_gib_s(total_bytes: int) -> float:
     return rate(total_bytes, seconds)
 
 
-def measure(device: str, gib: int, floor: dict[str, Any] | None) -> dict[str, Any]:
+def measure(device: str, gib: int, page_bytes: int, floor: dict[str, Any] | None) -> dict[str, Any]:
     total = gib * GiB
-    result: dict[str, Any] = {"bytes": total}
+    result: dict[str, Any] = {"bytes": total, "page_bytes": page_bytes}
     for pattern, per_call in (("alloc1", 1), ("request", REQUEST_BLOCKS)):
-        with make_manager(device, total) as mgr:
+        with make_manager(device, total, page_bytes) as mgr:
             seconds, held = grow(mgr, per_call)
             mapped = mgr.snapshot()["mapped_bytes"]
             result[pattern] = {"ms": round(seconds * 1e3, 1), "gib_s": rate(mapped, seconds), "mapped": mapped}
@@ -112,10 +115,10 @@ def measure(device: str, gib: int, floor: dict[str, Any] | None) -> dict[str, An
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"growth on {report['device']} (GiB/s of mapped memory; floor/growth: how far from the device's best)"]
-    lines.append(f"{'GiB':>4} {'alloc(1)':>10} {'x floor':>8} {'alloc(128)':>11} {'x floor':>8} {'shrink':>8} floor")
-    for gib, r in report["results"].items():
+    lines.append(f"{'run':>9} {'alloc(1)':>10} {'x floor':>8} {'alloc(128)':>11} {'x floor':>8} {'shrink':>8} floor")
+    for run, r in report["results"].items():
         lines.append(
-            f"{gib:>4} {r['alloc1']['gib_s']:>10} {r['alloc1']['floor_over_growth']:>8} {r['request']['gib_s']:>11} "
+            f"{run:>9} {r['alloc1']['gib_s']:>10} {r['alloc1']['floor_over_growth']:>8} {r['request']['gib_s']:>11} "
             f"{r['request']['floor_over_growth']:>8} {r['shrink']['gib_s']:>8} {r['floor_gib_s']}"
         )
     return "\n".join(lines)
@@ -124,12 +127,14 @@ def format_table(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = benchmark_parser("Burst growth and shrink bandwidth of a kvcached manager, against the device floor.")
     parser.add_argument("--gib", type=int, nargs="+", default=[1, 4, 16], help="sizes in GiB (default 1 4 16)")
+    parser.add_argument("--page-mib", type=int, nargs="+", default=[2], help="page sizes in MiB (default 2)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and "cuda" not in kvcached_core.available_backends():
         parser.error(f"device {args.device} unavailable: {kvcached_core.cuda_unavailable_reason()}")
     started = time.time()
     floor = cuda_floor_gib_s(args.device) if args.device.startswith("cuda") else None
-    results = {str(g): measure(args.device, g, floor) for g in args.gib}
+    # Keyed "<GiB>G/<page MiB>M".
+    results = {f"{g}G/{p}M": measure(args.device, g, p * MiB, floor) for p in args.page_mib for g in args.gib}
     report = {
         "benchmark": "growth",
         "device": args.device,

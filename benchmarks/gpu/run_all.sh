@@ -41,7 +41,7 @@ step() {  # step NAME COMMAND...: run from /tmp, append to run.log, remember a f
 }
 step "alloc_free cuda" "$py" "$repo/benchmarks/alloc_free.py" --device cuda --page-samples 64 \
   --out "$out/alloc_free_cuda.json"
-step "growth cuda (1, 4, 16 GiB from empty, and back)" "$py" "$repo/benchmarks/growth.py" --device cuda \
+step "growth cuda (1, 4, 16 GiB from empty, and back)" "$py" "$repo/benchmarks/growth.py" --device cuda --page-mib 2 8 32 \
   --out "$out/growth_cuda.json"
 step "control_plane cuda" "$py" "$repo/benchmarks/control_plane.py" --device cuda --out "$out/control_plane_cuda.json"
 step "proof (churn 1e5 ops, unmap race, two processes, throughput, idle footprint)" \

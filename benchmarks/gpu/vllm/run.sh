@@ -73,7 +73,7 @@ run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in th
         --out "$out/alloc_free_backstop$on.json" > /dev/null 2>> "$out/alloc_free.log")
     done
     (cd /tmp && "$py" "$repo/benchmarks/gpu/probe_slices.py" --out "$out/probe_slices.json" > /dev/null 2>> "$out/alloc_free.log")
-    (cd /tmp && "$py" "$repo/benchmarks/growth.py" --device cuda:0 --out "$out/growth.json" 2>> "$out/alloc_free.log")
+    (cd /tmp && "$py" "$repo/benchmarks/growth.py" --device cuda:0 --page-mib 2 8 32 --out "$out/growth.json" 2>> "$out/alloc_free.log")
     echo "[core] $(tail -1 "$out/pytest-core.log")"
   elif [ "$phase" = tests ]; then
     # Two runs: each test folder has its own conftest.
