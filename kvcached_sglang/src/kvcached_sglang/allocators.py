@@ -102,17 +102,22 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         return self.free_group is not None
 
     def clear(self) -> None:
+        """SGLang resets the allocator: every elastic slot goes back to kvcached."""
         super().clear()  # SGLang's group state
         if self.elastic:
             self._clear_elastic()
 
     def available_size(self) -> int:
+        """Token slots the scheduler may plan on: what kvcached can serve now (later allocations are held to
+        this count)."""
         return self._elastic_available() if self.elastic else super().available_size()
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` token slots from kvcached, or None when they cannot be served."""
         return self._take(need_size) if self.elastic else super().alloc(need_size)
 
     def free(self, free_index: torch.Tensor) -> None:
+        """Gives slots back to kvcached, or collects them while a free group is open."""
         if not self.elastic:
             return super().free(free_index)
         if free_index.numel() == 0:
@@ -123,6 +128,7 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
             self._give(free_index)
 
     def merge_and_sort_free(self) -> None:
+        """Nothing to merge when elastic: kvcached keeps the free list."""
         if not self.elastic:
             super().merge_and_sort_free()
 
@@ -132,6 +138,7 @@ class ElasticTokenToKVPoolAllocatorFlagGroups(ElasticTokenToKVPoolAllocator):
     ``is_not_in_free_group`` (``free_group`` is always a list there)."""
 
     def in_free_group(self) -> bool:
+        """Whether frees are being collected (``is_not_in_free_group`` is false)."""
         return not self.is_not_in_free_group
 
 
@@ -149,11 +156,13 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         super().__init__(*args, **kwargs)
 
     def clear(self) -> None:
+        """SGLang resets the allocator: every elastic page goes back to kvcached."""
         super().clear()  # SGLang's group and staging state
         if self.elastic:
             self._clear_elastic()
 
     def available_size(self) -> int:
+        """Tokens the scheduler may plan on, in whole pages (what kvcached can serve now)."""
         return self._elastic_available() if self.elastic else super().available_size()
 
     def _over_pages(self, num_pages: int, run: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
@@ -174,6 +183,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         return out
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` tokens over exactly the pages they need, taken from kvcached; None when short."""
         if not self.elastic:
             return super().alloc(need_size)
         parent = super()
@@ -190,6 +200,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         num_new_pages: int | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | None:
+        """Prefill: the pages SGLang counted (from the CPU lengths) taken from kvcached, laid out by SGLang."""
         args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
         if not self.elastic:
             return super().alloc_extend(*args, num_new_pages=num_new_pages, **kwargs)
@@ -205,6 +216,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor | None:
+        """Decode: the pages the step needs taken from kvcached, laid out by SGLang."""
         if not self.elastic:
             return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc, **kwargs)
         num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
@@ -219,6 +231,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
             self._give(ids)
 
     def merge_and_sort_free(self) -> None:
+        """Nothing to merge when elastic: kvcached keeps the free list."""
         if not self.elastic:
             super().merge_and_sort_free()
 
@@ -228,6 +241,7 @@ class ElasticPagedTokenToKVPoolAllocatorInlineFree(ElasticPagedTokenToKVPoolAllo
     (no ``_release_page_ids`` yet); every paged free, group ends included, goes through it."""
 
     def free(self, free_index: torch.Tensor) -> None:
+        """Gives the pages of these tokens back to kvcached, or collects them while a free group is open."""
         if not self.elastic:
             return super().free(free_index)
         if free_index.numel() == 0:
@@ -255,6 +269,7 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
     elastic = True
 
     def available_size(self) -> int:
+        """Slots the scheduler may plan on (what kvcached can serve now)."""
         return self._count.report(self._manager.available_size())
 
     def logical_available_size(self) -> int:
@@ -263,6 +278,7 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
 
     @property
     def free_slots(self) -> torch.Tensor:
+        """The slots no request holds, as SGLang's diagnostics read them."""
         free = sorted(set(range(1, self.size + 1)) - self._held)
         return torch.tensor(free, dtype=torch.int64, device=self.device)
 
@@ -278,6 +294,7 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
     def free(self, free_index: torch.Tensor) -> None:
+        """Gives these slots back to kvcached."""
         if free_index.numel() == 0:
             return
         ids = free_index.tolist()
@@ -285,6 +302,7 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
         self._held.difference_update(ids)
 
     def clear(self) -> None:
+        """SGLang resets the allocator: every held slot goes back to kvcached."""
         super().clear()
         if self._held:
             self._manager.clear()

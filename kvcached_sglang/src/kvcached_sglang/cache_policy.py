@@ -102,6 +102,7 @@ class CachePolicy:
         return sum(m.trim() for m in self.managers)
 
     def close(self) -> None:
+        """Stops watching the device."""
         self.watch.close()
 
 

@@ -201,6 +201,7 @@ class ElasticMambaPoolPageMajor(ElasticMambaPool):
 
     @staticmethod
     def entry_layout() -> tuple[Callable[..., Any], Callable[..., int]]:
+        """SGLang's builder of a slot's state views and its entry size, from where these releases keep them."""
         from sglang.srt.mem_cache.layout.page_major import build_page_major_mamba_views, mamba_entry_bytes
 
         return build_page_major_mamba_views, mamba_entry_bytes

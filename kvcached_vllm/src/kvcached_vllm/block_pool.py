@@ -63,11 +63,15 @@ class ElasticBlockPool(BlockPool):
         return self._manager is not None
 
     def get_num_free_blocks(self) -> int:
+        """Blocks the scheduler may plan on: what kvcached can serve now plus cached prefix blocks it may
+        evict (later allocations are held to this count)."""
         if self._manager is None:
             return super().get_num_free_blocks()
         return self._count.report(self._manager.available_size() + len(self._cached_free))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """``num_blocks`` blocks from kvcached, evicting cached prefixes first when memory is short;
+        ValueError, as vLLM's own pool raises, beyond what was last counted."""
         if self._manager is None:
             return super().get_new_blocks(num_blocks)
         ids = self._manager.alloc(num_blocks)
@@ -102,6 +106,7 @@ class ElasticBlockPool(BlockPool):
             watch.report_shortfall()
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """A prefix hit: cached free blocks become busy again (their pages must not be given back)."""
         if self._manager is not None:
             for block in blocks:
                 if block.ref_cnt == 0 and block.block_id in self._cached_free:  # a prefix hit: back in use
@@ -110,6 +115,8 @@ class ElasticBlockPool(BlockPool):
         super().touch(blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Blocks whose last reference went: hashed ones stay as cached prefixes within the prefix-cache
+        budget, the rest go back to kvcached."""
         if self._manager is None:
             return super().free_blocks(ordered_blocks)
         ordered_blocks = list(ordered_blocks)
@@ -129,11 +136,13 @@ class ElasticBlockPool(BlockPool):
             self._evict(excess)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
+        """vLLM evicts these cached blocks: those no longer hashed go back to kvcached."""
         super().evict_blocks(block_ids)
         if self._manager is not None:
             self._release_unhashed(block_ids)
 
     def reset_prefix_cache(self) -> bool:
+        """vLLM drops its prefix cache: every cached free block goes back to kvcached."""
         done = super().reset_prefix_cache()
         if done and self._manager is not None:
             self._release_unhashed(list(self._cached_free))

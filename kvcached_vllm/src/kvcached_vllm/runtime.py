@@ -114,6 +114,7 @@ class PressureWatch:
 
     @property
     def pending(self) -> threading.Event:
+        """Set while another engine on the device reported a shortfall this one has not answered yet."""
         return self.core.pending
 
     def _has_spare(self) -> bool:
@@ -151,6 +152,7 @@ class PressureWatch:
         self.core.report_shortfall(lambda: any(pool.physically_short() for pool in self.pools))
 
     def close(self) -> None:
+        """Stops watching the device."""
         self.core.close()
 
 

@@ -36,6 +36,7 @@ class _TorchServingBackings:
         self.served = 0
 
     def zeros(self, size: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> torch.Tensor:
+        """The next kvcached backing, cut to ``size`` int8 bytes; BackingMismatch for any other request."""
         nbytes = size if isinstance(size, int) else int(torch.Size(size).numel())
         if self.served >= len(self._backings) or dtype is not torch.int8:
             raise BackingMismatch(f"vLLM asked for an unexpected KV buffer ({nbytes} bytes of {dtype})")
@@ -254,6 +255,7 @@ class WarmupBlocks:
         self.held += got
 
     def release(self) -> None:
+        """Frees the blocks the warm-up held."""
         if self.held:
             self.memory.free(self.held)
             self.held = []
