@@ -1,9 +1,9 @@
 """Seeing and capping the kvcached instances on this machine.
 
-What ``kvctl``, ``kvtop``, the exporters, the examples and the engine plugins share: the rows of the live
-pools (the schema of ``kvctl list --json``), setting an instance's limit across its processes and pools and
-waiting for each owner's acknowledgement, and removing what dead processes left. The command-line tools only
-parse arguments and print what these functions return.
+What ``kvctl``, ``kvtop``, the Prometheus exporter, the examples, the benchmarks and the tests share: the rows
+of the live pools (the schema of ``kvctl list --json``), setting an instance's limit across its processes and
+pools and waiting for each owner's acknowledgement, and removing what dead processes left. The command-line
+tools only parse arguments and print what these functions return.
 
 A limit applies to each process of an instance (each holds memory on its own device); inside one process it
 is split across the pools in proportion to their virtual capacity.

@@ -50,6 +50,7 @@ class KvcachedCollector:
     """A prometheus_client collector over this process's live pools."""
 
     def collect(self) -> Iterator[Any]:
+        """One family per counter and gauge over the managers of this process that are still open."""
         pools = [
             ([m.name, m.pool_name, m.device], m.operation_snapshot(), m.snapshot())
             for m in registry.live_managers()
@@ -70,10 +71,11 @@ class SegmentCollector:
         self.engine, self.name, self.settings = engine, name, settings
 
     def collect(self) -> Iterator[Any]:
-        from .. import load_settings, segment
+        """One family per counter and gauge over the live segments of the chosen engine and instance."""
+        from .. import control, load_settings
 
         pools = []
-        for seg in segment.scan(segment.segment_dir(self.settings or load_settings())).live:
+        for seg in control.scan_segments(self.settings or load_settings()).live:
             i = seg.info
             if (self.engine is None or i["engine"] == self.engine) and (self.name is None or i["name"] == self.name):
                 pools.append(([i["name"], i["pool_name"], i["device"]], i["counters"], i))
