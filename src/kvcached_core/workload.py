@@ -41,11 +41,12 @@ class Workload:
         )
         self.ready_line = self._read()
         if not self.ready_line.startswith("ready"):
-            self.proc.kill()
-            raise RuntimeError(f"the workload did not start: {self.ready_line!r}")
+            self.kill()
+            raise RuntimeError(f"the workload did not start (its error is on stderr): {self.ready_line!r}")
 
     @property
     def pid(self) -> int:
+        """The workload's process id."""
         return self.proc.pid
 
     def _read(self) -> str:
