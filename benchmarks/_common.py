@@ -14,8 +14,30 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvcached_core
+from kvcached_core import KVCacheManager
 from kvcached_core.backends import get_backend, parse_device
-from kvcached_core.config import load_settings
+from kvcached_core.config import Settings, load_settings
+
+LONG_RECLAIM_DELAY_MS = 600_000  # keeps the background reclaimer out of the measurements
+
+# The hot-path manager of alloc_free.py and control_plane.py's limit-check cost: 16 KiB blocks, 2 buffers, a
+# reserve large enough that pages stay mapped. As the reports list it:
+PAIR_MANAGER = {"num_blocks": 65536, "block_bytes": 16384, "num_layers": 1, "num_kv_buffers": 2, "reserved_pages": 64}
+
+
+def make_pair_manager(device: str, settings: Settings | None = None) -> KVCacheManager:
+    """The hot-path manager (``PAIR_MANAGER``), with the pool at its defaults (4 ready, at most 16)."""
+    return KVCacheManager(
+        **PAIR_MANAGER,
+        device=device,
+        name="bench-pair",
+        page_bytes=0,
+        reclaim_delay_ms=LONG_RECLAIM_DELAY_MS,
+        pool_target=4,
+        pool_max=16,
+        settings=settings,
+    )
+
 
 # ---- statistics -----------------------------------------------------------------------------------
 

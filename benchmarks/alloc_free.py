@@ -38,8 +38,11 @@ from typing import Any
 
 # Shared with the other benchmarks here (this script's directory is sys.path[0]).
 from _common import (
+    LONG_RECLAIM_DELAY_MS,
+    PAIR_MANAGER,
     benchmark_parser,
     machine_info,
+    make_pair_manager,
     positive_int,
     summarize,
     time_call_batches,
@@ -54,34 +57,13 @@ from kvcached_core.backends import parse_device
 
 PAIR_SIZES: tuple[tuple[int, int], ...] = ((1, 20000), (16, 5000), (128, 1000))  # (k, iterations/batch)
 AVAILABLE_SIZE_ITERATIONS = 100000
-PAIR_NUM_BLOCKS = 65536
-PAIR_BLOCK_BYTES = 16384
-PAIR_RESERVED_PAGES = 64
 FOOTPRINT_BLOCKS = 1000
 POOL_TARGET = 64
 POOL_WAIT_TIMEOUT_S = 30.0
 FLOOR_ITERATIONS = 32
 FLOOR_ROUNDS = 4  # alternating rounds of floor and warm samples on CUDA
-LONG_RECLAIM_DELAY_MS = 600_000  # keeps the background reclaimer out of the unmap measurement
 
 # ---- managers -------------------------------------------------------------------------------------
-
-
-def make_pair_manager(device: str) -> KVCacheManager:
-    """The hot-path manager: 16 KiB blocks, 2 buffers, a reserve large enough that pages stay mapped."""
-    return KVCacheManager(
-        num_blocks=PAIR_NUM_BLOCKS,
-        block_bytes=PAIR_BLOCK_BYTES,
-        num_layers=1,
-        num_kv_buffers=2,
-        device=device,
-        name="bench-pair",
-        page_bytes=0,
-        reserved_pages=PAIR_RESERVED_PAGES,
-        reclaim_delay_ms=LONG_RECLAIM_DELAY_MS,
-        pool_target=4,
-        pool_max=16,
-    )
 
 
 def make_page_manager(
@@ -324,13 +306,7 @@ def build_report(device: str, batches: int, page_samples: int) -> dict[str, Any]
         "parameters": {
             "batches": batches,
             "page_samples": page_samples,
-            "pair_manager": {
-                "num_blocks": PAIR_NUM_BLOCKS,
-                "block_bytes": PAIR_BLOCK_BYTES,
-                "num_layers": 1,
-                "num_kv_buffers": 2,
-                "reserved_pages": PAIR_RESERVED_PAGES,
-            },
+            "pair_manager": PAIR_MANAGER,
             "pool_target_warm": POOL_TARGET,
         },
         "duration_s": round((dt.datetime.now(dt.timezone.utc) - started).total_seconds(), 2),

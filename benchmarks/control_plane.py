@@ -75,10 +75,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 # Shared with the other benchmarks here (this script's directory is sys.path[0]).
-from _common import benchmark_parser, machine_info, positive_int, write_report
+from _common import PAIR_MANAGER, benchmark_parser, machine_info, positive_int, write_report
 from control.acknowledgement import measure_cli_limit, measure_in_process, measure_kvctl_main
 from control.enforcement import check_enforcement
-from control.limit_check import PAIR_BLOCK_BYTES, PAIR_NUM_BLOCKS, PAIR_RESERVED_PAGES, measure_limit_check_cost
+from control.limit_check import measure_limit_check_cost
 from control.startup import measure_startup
 from control.workload import (
     TARGET_NAME,
@@ -194,13 +194,7 @@ def build_report(device: str, args: argparse.Namespace) -> dict[str, Any]:
                 "reserved_pages": WORKLOAD_RESERVED_PAGES,
                 "reclaim_delay_ms": WORKLOAD_RECLAIM_DELAY_MS,
             },
-            "pair_manager": {
-                "num_blocks": PAIR_NUM_BLOCKS,
-                "block_bytes": PAIR_BLOCK_BYTES,
-                "num_layers": 1,
-                "num_kv_buffers": 2,
-                "reserved_pages": PAIR_RESERVED_PAGES,
-            },
+            "pair_manager": PAIR_MANAGER,
         },
         "duration_s": round((dt.datetime.now(dt.timezone.utc) - started).total_seconds(), 2),
         "results": results,

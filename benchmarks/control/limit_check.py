@@ -6,35 +6,20 @@ import statistics
 from typing import Any
 
 # Shared with the other benchmarks here (this script's directory is sys.path[0]).
-from _common import summarize, time_pair_batches
+from _common import make_pair_manager, summarize, time_pair_batches
 
-from kvcached_core import KVCacheManager
 from kvcached_core.config import load_settings
 
 from .workload import LibraryError
 
-PAIR_NUM_BLOCKS = 65536
-PAIR_BLOCK_BYTES = 16384
-PAIR_RESERVED_PAGES = 64
 PAIR_ITERATIONS = 20000
 PAIR_WARM_BLOCKS = 1000
 LARGE_LIMIT = 1 << 40  # far above anything the pair manager maps
-LONG_RECLAIM_DELAY_MS = 600_000
 
 
 def measure_limit_check_cost(device: str, runtime_dir: str, rounds: int, batches: int) -> dict[str, Any]:
     """Pair k=1 per call with no limit and with a large one, alternating (ABBA) on one manager."""
-    mgr = KVCacheManager(
-        num_blocks=PAIR_NUM_BLOCKS,
-        block_bytes=PAIR_BLOCK_BYTES,
-        num_layers=1,
-        num_kv_buffers=2,
-        device=device,
-        name="bench-pair",
-        reserved_pages=PAIR_RESERVED_PAGES,
-        reclaim_delay_ms=LONG_RECLAIM_DELAY_MS,
-        settings=load_settings(runtime_dir=runtime_dir),
-    )
+    mgr = make_pair_manager(device, load_settings(runtime_dir=runtime_dir))
     try:
         ids = mgr.alloc(PAIR_WARM_BLOCKS)
         if ids is None:
