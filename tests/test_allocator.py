@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import time
 
 import pytest
@@ -98,6 +99,39 @@ def test_bad_alloc_counts_and_id_types(make_manager):
     with pytest.raises(TypeError):
         mgr.free(7)
     assert len(mgr.alloc(3)) == 3  # still usable
+
+
+@pytest.mark.parametrize("typecode", ["q", "i"])
+def test_alloc_into_and_free_from_buffers(make_manager, typecode):
+    """The list-free pair engines use with tensors (a pinned tensor's ``.numpy()``): same ids, same checks."""
+    mgr = make_manager()
+    out = array.array(typecode, [-7] * 40)
+    assert mgr.alloc_into(32, out) is True
+    ids = list(out[:32])
+    assert len(set(ids)) == 32 and out[32:].tolist() == [-7] * 8  # only `count` elements written
+    assert mgr.snapshot()["allocated_blocks"] == 32
+    with pytest.raises(ValueError):  # a duplicate id: nothing freed
+        mgr.free_from(array.array(typecode, [ids[0], ids[0]]))
+    assert mgr.snapshot()["allocated_blocks"] == 32
+    mgr.free_from(array.array(typecode, ids[:16]))
+    assert mgr.snapshot()["allocated_blocks"] == 16
+    mgr.free(ids[16:])  # interchangeable with the list calls
+    assert mgr.snapshot()["allocated_blocks"] == 0
+
+
+def test_alloc_into_refusals_and_bad_buffers(make_manager):
+    mgr = make_manager()
+    out = array.array("q", [0] * 4)
+    with pytest.raises(ValueError, match="exceeds"):
+        mgr.alloc_into(5, out)
+    big = array.array("q", [-1] * 2048)
+    assert mgr.alloc_into(2048, big) is False and big[0] == -1  # beyond virtual capacity: untouched
+    for bad in (array.array("d", [1.0]), array.array("h", [1]), b"12345678", [1, 2]):
+        with pytest.raises(TypeError):
+            mgr.free_from(bad)
+    with pytest.raises(BufferError):
+        mgr.alloc_into(1, bytes(8))  # read-only
+    assert mgr.snapshot()["allocated_blocks"] == 0
 
 
 def test_null_block_is_reserved(make_manager):

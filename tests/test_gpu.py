@@ -132,13 +132,15 @@ def test_reported_availability_is_served_on_a_nearly_full_device(cuda_manager):
         torch.cuda.empty_cache()
 
 
-def test_backstop_serves_reads_of_unallocated_blocks(make_manager, settings):
+@pytest.mark.parametrize("page_mib", [2, 32])
+def test_backstop_serves_reads_of_unallocated_blocks(make_manager, settings, page_mib):
     """With the backstop (the default), reading blocks nobody allocated reads zeros instead of faulting the
     CUDA context, before any page is mapped and after pages were unmapped again; writes to mapped pages
-    never reach the shared backstop page."""
+    never reach the shared backstop page. Pages larger than the granule have a backstop of their own size."""
     mgr = make_manager(
         device="cuda:0",
         num_blocks=4096,
+        page_bytes=page_mib * MiB,
         reserved_pages=0,
         reclaim_delay_ms=60_000,  # pages stay mapped until trim(): the background reclaimer cannot race it
         settings=dataclasses.replace(settings, backstop=True),
@@ -155,9 +157,10 @@ def test_backstop_serves_reads_of_unallocated_blocks(make_manager, settings):
     assert int(whole.abs().sum()) == 0
 
 
-def test_backstop_costs_one_granule_however_large_the_reservation(make_manager, settings):
-    """64 GiB of virtual KV with the backstop: the device loses at most a few MiB (the shared granule),
-    not the reservation's size."""
+@pytest.mark.parametrize("page_mib", [2, 32])
+def test_backstop_costs_one_page_however_large_the_reservation(make_manager, settings, page_mib):
+    """64 GiB of virtual KV with the backstop: the device loses one page of memory for it (the shared
+    backstop of that page size, plus the driver's few MiB), not the reservation's size."""
     free_before, _ = torch.cuda.mem_get_info()
     mgr = make_manager(
         device="cuda:0",
@@ -165,9 +168,10 @@ def test_backstop_costs_one_granule_however_large_the_reservation(make_manager, 
         block_bytes=1 << 20,
         num_layers=1,
         num_kv_buffers=2,
+        page_bytes=page_mib * MiB,
         pool_target=0,
         settings=dataclasses.replace(settings, backstop=True),
     )
     assert mgr.buffer(0, 1).numel() == 32 << 30
     free_after, _ = torch.cuda.mem_get_info()
-    assert free_before - free_after <= 16 * MiB
+    assert free_before - free_after <= (16 + page_mib) * MiB

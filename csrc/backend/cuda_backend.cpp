@@ -33,47 +33,56 @@ CudaBackend::CudaBackend(int device_index, bool backstop) : index_(device_index)
   access_.location = prop_.location;
   access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   KVCACHED_CU(d.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  if (backstop) {
-    make_current();
-    KVCACHED_CU(d.cuMemCreate(&backstop_, granularity_, &prop_, 0));
-    // Zeroed once through a scratch mapping, so stray reads see zeros rather than old KV bytes.
-    CUdeviceptr scratch = 0;
-    CUresult rc = d.cuMemAddressReserve(&scratch, granularity_, granularity_, 0, 0);
-    if (rc == CUDA_SUCCESS) {
-      rc = d.cuMemMap(scratch, granularity_, 0, backstop_, 0);
-      if (rc == CUDA_SUCCESS) {
-        rc = d.cuMemSetAccess(scratch, granularity_, &access_, 1);
-        if (rc == CUDA_SUCCESS) rc = d.cuMemsetD8(scratch, 0, granularity_);
-        if (rc == CUDA_SUCCESS) rc = d.cuCtxSynchronize();
-        d.cuMemUnmap(scratch, granularity_);
-      }
-      d.cuMemAddressFree(scratch, granularity_);
-    }
-    if (rc != CUDA_SUCCESS) {
-      d.cuMemRelease(backstop_);
-      backstop_ = 0;
-      KVCACHED_CU(rc);
-    }
-  }
+  backstop_ = backstop;
+  if (backstop_) backstop_handle(granularity_);  // a device that cannot make one fails here, not at first use
 }
 
 CudaBackend::~CudaBackend() {
-  // Reservations hold the backend, so none is left that still maps the backstop.
-  if (backstop_ != 0) drv().cuMemRelease(backstop_);
+  // Reservations hold the backend, so none is left that still maps a backstop.
+  for (const auto& [unit, handle] : backstops_) drv().cuMemRelease(handle);
   if (context_ != nullptr) drv().cuDevicePrimaryCtxRelease(device_);
 }
 
-void CudaBackend::fill_backstop(CUdeviceptr addr, std::size_t bytes) {
+CUmemGenericAllocationHandle CudaBackend::backstop_handle(std::size_t unit) {
+  std::lock_guard<std::mutex> lock(backstop_mu_);
+  if (const auto found = backstops_.find(unit); found != backstops_.end()) return found->second;
   const CudaDriver& d = drv();
+  make_current();
+  CUmemGenericAllocationHandle handle = 0;
+  KVCACHED_CU(d.cuMemCreate(&handle, unit, &prop_, 0));
+  // Zeroed once through a scratch mapping, so stray reads see zeros rather than old KV bytes.
+  CUdeviceptr scratch = 0;
+  CUresult rc = d.cuMemAddressReserve(&scratch, unit, granularity_, 0, 0);
+  if (rc == CUDA_SUCCESS) {
+    rc = d.cuMemMap(scratch, unit, 0, handle, 0);
+    if (rc == CUDA_SUCCESS) {
+      rc = d.cuMemSetAccess(scratch, unit, &access_, 1);
+      if (rc == CUDA_SUCCESS) rc = d.cuMemsetD8(scratch, 0, unit);
+      if (rc == CUDA_SUCCESS) rc = d.cuCtxSynchronize();
+      d.cuMemUnmap(scratch, unit);
+    }
+    d.cuMemAddressFree(scratch, unit);
+  }
+  if (rc != CUDA_SUCCESS) {
+    d.cuMemRelease(handle);
+    KVCACHED_CU(rc);
+  }
+  backstops_.emplace(unit, handle);
+  return handle;
+}
+
+void CudaBackend::fill_backstop(CUdeviceptr addr, std::size_t bytes, std::size_t unit) {
+  const CudaDriver& d = drv();
+  const CUmemGenericAllocationHandle handle = backstop_handle(unit);
   std::size_t done = 0;
   CUresult rc = CUDA_SUCCESS;
-  for (; done < bytes; done += granularity_) {
-    rc = d.cuMemMap(addr + done, granularity_, 0, backstop_, 0);
+  for (; done < bytes; done += unit) {
+    rc = d.cuMemMap(addr + done, unit, 0, handle, 0);
     if (rc != CUDA_SUCCESS) break;
   }
   if (rc == CUDA_SUCCESS) rc = d.cuMemSetAccess(addr, bytes, &access_, 1);
   if (rc != CUDA_SUCCESS) {
-    if (done > 0) d.cuMemUnmap(addr, done);
+    for (std::size_t off = 0; off < done; off += unit) d.cuMemUnmap(addr + off, unit);
     KVCACHED_CU(rc);
   }
 }
@@ -85,13 +94,16 @@ void CudaBackend::make_current() const {
   if (current != context_) KVCACHED_CU(drv().cuCtxSetCurrent(context_));
 }
 
-std::uintptr_t CudaBackend::reserve(std::size_t bytes) {
+std::uintptr_t CudaBackend::reserve(std::size_t bytes, std::size_t unit) {
+  if (unit == 0 || unit % granularity_ != 0 || bytes % unit != 0)
+    throw InvalidArgument("a reservation's page size must be a multiple of " + std::to_string(granularity_) +
+                          " bytes that divides its size");
   make_current();
   CUdeviceptr ptr = 0;
   KVCACHED_CU(drv().cuMemAddressReserve(&ptr, bytes, granularity_, 0, 0));
-  if (backstop_ != 0) {
+  if (backstop_) {
     try {
-      fill_backstop(ptr, bytes);
+      fill_backstop(ptr, bytes, unit);
     } catch (...) {
       drv().cuMemAddressFree(ptr, bytes);
       throw;
@@ -100,11 +112,11 @@ std::uintptr_t CudaBackend::reserve(std::size_t bytes) {
   return static_cast<std::uintptr_t>(ptr);
 }
 
-void CudaBackend::free_reservation(std::uintptr_t base, std::size_t bytes) noexcept {
+void CudaBackend::free_reservation(std::uintptr_t base, std::size_t bytes, std::size_t unit) noexcept {
   const CUdeviceptr ptr = static_cast<CUdeviceptr>(base);
-  if (backstop_ != 0 && drv().cuMemUnmap(ptr, bytes) != CUDA_SUCCESS) {
-    // A granule left without any mapping (a failed refill) makes the range call fail: go one by one.
-    for (std::size_t off = 0; off < bytes; off += granularity_) drv().cuMemUnmap(ptr + off, granularity_);
+  if (backstop_ && drv().cuMemUnmap(ptr, bytes) != CUDA_SUCCESS) {
+    // A page left without any mapping (a failed refill) makes the range call fail: go one by one.
+    for (std::size_t off = 0; off < bytes; off += unit) drv().cuMemUnmap(ptr + off, unit);
   }
   drv().cuMemAddressFree(ptr, bytes);
 }
@@ -122,16 +134,16 @@ void CudaBackend::map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle)
   make_current();
   const CudaDriver& d = drv();
   const CUdeviceptr ptr = static_cast<CUdeviceptr>(addr);
-  if (backstop_ != 0) KVCACHED_CU(d.cuMemUnmap(ptr, bytes));
+  if (backstop_) KVCACHED_CU(d.cuMemUnmap(ptr, bytes));
   CUresult rc = d.cuMemMap(ptr, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0);
   if (rc == CUDA_SUCCESS) {
     rc = d.cuMemSetAccess(ptr, bytes, &access_, 1);
     if (rc != CUDA_SUCCESS) d.cuMemUnmap(ptr, bytes);  // leave nothing half-mapped
   }
   if (rc != CUDA_SUCCESS) {
-    if (backstop_ != 0) {
+    if (backstop_) {
       try {
-        fill_backstop(ptr, bytes);
+        fill_backstop(ptr, bytes, bytes);
       } catch (const BackendError&) {
         // the range stays unmapped; the map error below is the one the caller needs
       }
@@ -144,7 +156,7 @@ void CudaBackend::unmap(std::uintptr_t addr, std::size_t bytes) {
   make_current();
   const CUdeviceptr ptr = static_cast<CUdeviceptr>(addr);
   KVCACHED_CU(drv().cuMemUnmap(ptr, bytes));
-  if (backstop_ != 0) fill_backstop(ptr, bytes);
+  if (backstop_) fill_backstop(ptr, bytes, bytes);  // a page is unmapped whole: its backstop is one handle
 }
 
 void CudaBackend::release(PhysHandle handle, std::size_t) noexcept {

@@ -3,12 +3,18 @@
 // PyTorch uses). Handles survive unmap, so the page pool can reuse them without cuMemCreate.
 //
 // With a backstop, every page of a reservation that holds no page of its own maps one shared zeroed
-// granule instead of nothing: a kernel that reads a block the engine never allocated (padding rows,
+// handle instead of nothing: a kernel that reads a block the engine never allocated (padding rows,
 // stale block-table entries, warm-up passes) reads zeros instead of faulting the whole CUDA context.
 // The price is one more driver call on each side: map() first unmaps the backstop, unmap() maps it back.
+// The shared handle has the size of the reservation's pages (one per page size in use), because the
+// driver charges each unmap and access call per handle in the range: a 32 MiB page backed by sixteen
+// 2 MiB granules would cost sixteen unmaps to grow instead of one.
 #pragma once
 
 #include <cuda.h>
+
+#include <map>
+#include <mutex>
 
 #include "backend/memory_backend.h"
 
@@ -25,8 +31,8 @@ class CudaBackend final : public MemoryBackend {
   int device_index() const override { return index_; }
   std::size_t granularity() const override { return granularity_; }
 
-  std::uintptr_t reserve(std::size_t bytes) override;
-  void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override;
+  std::uintptr_t reserve(std::size_t bytes, std::size_t unit) override;
+  void free_reservation(std::uintptr_t base, std::size_t bytes, std::size_t unit) noexcept override;
   std::optional<PhysHandle> create(std::size_t bytes) override;
   std::size_t allocatable_bytes() override;
   void map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle) override;
@@ -36,12 +42,14 @@ class CudaBackend final : public MemoryBackend {
   void fence() override;
   void zero(std::uintptr_t addr, std::size_t bytes) override;
   MemInfo mem_info() override;
-  bool backstop() const noexcept { return backstop_ != 0; }
+  bool backstop() const noexcept { return backstop_; }
 
  private:
   void make_current() const;
-  // Map the backstop granule over every granule of [addr, addr + bytes); all or nothing.
-  void fill_backstop(CUdeviceptr addr, std::size_t bytes);
+  // The shared zeroed handle of `unit` bytes, created on first use.
+  CUmemGenericAllocationHandle backstop_handle(std::size_t unit);
+  // Map the `unit`-byte backstop over each unit of [addr, addr + bytes); all or nothing.
+  void fill_backstop(CUdeviceptr addr, std::size_t bytes, std::size_t unit);
 
   int index_;
   CUdevice device_ = 0;
@@ -49,7 +57,9 @@ class CudaBackend final : public MemoryBackend {
   std::size_t granularity_ = 0;
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
-  CUmemGenericAllocationHandle backstop_ = 0;
+  bool backstop_ = false;
+  std::mutex backstop_mu_;  // reservations of several managers share this backend
+  std::map<std::size_t, CUmemGenericAllocationHandle> backstops_;  // by unit
 };
 
 }  // namespace kvcached

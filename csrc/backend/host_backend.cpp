@@ -47,13 +47,13 @@ HostBackend::HostBackend(const std::string& budget_path, std::size_t budget_byte
   if (!budget_path.empty()) budget_ = std::make_unique<HostBudget>(budget_path, budget_bytes);
 }
 
-std::uintptr_t HostBackend::reserve(std::size_t bytes) {
+std::uintptr_t HostBackend::reserve(std::size_t bytes, std::size_t /*unit*/) {
   void* p = map_aligned(bytes, PROT_NONE);
   if (p == MAP_FAILED) throw_errno("host backend: cannot reserve " + std::to_string(bytes) + " bytes of address space");
   return reinterpret_cast<std::uintptr_t>(p);
 }
 
-void HostBackend::free_reservation(std::uintptr_t base, std::size_t bytes) noexcept {
+void HostBackend::free_reservation(std::uintptr_t base, std::size_t bytes, std::size_t /*unit*/) noexcept {
   munmap(reinterpret_cast<void*>(base), bytes);
 }
 

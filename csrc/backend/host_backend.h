@@ -29,8 +29,8 @@ class HostBackend final : public MemoryBackend {
   int device_index() const override { return 0; }
   std::size_t granularity() const override { return granularity_; }
 
-  std::uintptr_t reserve(std::size_t bytes) override;
-  void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override;
+  std::uintptr_t reserve(std::size_t bytes, std::size_t unit) override;
+  void free_reservation(std::uintptr_t base, std::size_t bytes, std::size_t unit) noexcept override;
   std::optional<PhysHandle> create(std::size_t bytes) override;
   void map(std::uintptr_t addr, std::size_t bytes, PhysHandle handle) override;
   void unmap(std::uintptr_t addr, std::size_t bytes) override;

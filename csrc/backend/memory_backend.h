@@ -31,9 +31,10 @@ class MemoryBackend {
   // Smallest size and alignment of a physical handle and of a mapping.
   virtual std::size_t granularity() const = 0;
 
-  // Reserve `bytes` of virtual address space (no physical memory). Throws BackendError.
-  virtual std::uintptr_t reserve(std::size_t bytes) = 0;
-  virtual void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept = 0;
+  // Reserve `bytes` of virtual address space (no physical memory), to be mapped in pages of `unit` bytes (a
+  // multiple of granularity() that divides `bytes`). Throws BackendError.
+  virtual std::uintptr_t reserve(std::size_t bytes, std::size_t unit) = 0;
+  virtual void free_reservation(std::uintptr_t base, std::size_t bytes, std::size_t unit) noexcept = 0;
 
   // Create a physical handle of `bytes`. Returns nullopt when the device has no physical memory left
   // (a capacity miss, not an error); throws BackendError for anything else.

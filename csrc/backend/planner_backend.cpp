@@ -15,7 +15,7 @@ PlannerBackend::PlannerBackend(DeviceKind kind, int device_index, std::size_t gr
   if (granularity == 0) throw InvalidArgument("planner granularity must be positive");
 }
 
-std::uintptr_t PlannerBackend::reserve(std::size_t bytes) {
+std::uintptr_t PlannerBackend::reserve(std::size_t bytes, std::size_t /*unit*/) {
   // Address space only, never touched: it gives block ids the same geometry as the workers' buffers.
   void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED)
@@ -23,7 +23,7 @@ std::uintptr_t PlannerBackend::reserve(std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p);
 }
 
-void PlannerBackend::free_reservation(std::uintptr_t base, std::size_t bytes) noexcept {
+void PlannerBackend::free_reservation(std::uintptr_t base, std::size_t bytes, std::size_t /*unit*/) noexcept {
   munmap(reinterpret_cast<void*>(base), bytes);
 }
 

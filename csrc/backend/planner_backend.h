@@ -26,8 +26,8 @@ class PlannerBackend final : public MemoryBackend {
   int device_index() const override { return index_; }
   std::size_t granularity() const override { return granularity_; }
 
-  std::uintptr_t reserve(std::size_t bytes) override;
-  void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override;
+  std::uintptr_t reserve(std::size_t bytes, std::size_t unit) override;
+  void free_reservation(std::uintptr_t base, std::size_t bytes, std::size_t unit) noexcept override;
   std::optional<PhysHandle> create(std::size_t) override { return next_token_.fetch_add(1) + 1; }
   void map(std::uintptr_t, std::size_t, PhysHandle) override {}
   void unmap(std::uintptr_t, std::size_t) override {}

@@ -13,9 +13,10 @@ namespace kvcached {
 
 class Reservation {
  public:
-  Reservation(std::shared_ptr<MemoryBackend> backend, std::size_t bytes)
-      : backend_(std::move(backend)), base_(backend_->reserve(bytes)), bytes_(bytes) {}
-  ~Reservation() { backend_->free_reservation(base_, bytes_); }
+  // `unit`: the size of the pages mapped into it (see MemoryBackend::reserve).
+  Reservation(std::shared_ptr<MemoryBackend> backend, std::size_t bytes, std::size_t unit)
+      : backend_(std::move(backend)), base_(backend_->reserve(bytes, unit)), bytes_(bytes), unit_(unit) {}
+  ~Reservation() { backend_->free_reservation(base_, bytes_, unit_); }
   Reservation(const Reservation&) = delete;
   Reservation& operator=(const Reservation&) = delete;
 
@@ -27,6 +28,7 @@ class Reservation {
   std::shared_ptr<MemoryBackend> backend_;
   std::uintptr_t base_;
   std::size_t bytes_;
+  std::size_t unit_;
 };
 
 }  // namespace kvcached

@@ -1,5 +1,6 @@
 #include "bindings/fast_path.h"
 
+#include <algorithm>
 #include <new>
 #include <string>
 #include <vector>
@@ -76,6 +77,88 @@ PyObject* fp_free(PyObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// The buffer's element width when it holds native 4- or 8-byte integers (numpy's i/l/q, a CPU tensor's
+// .numpy()), else 0.
+std::size_t integer_width(const Py_buffer& view) {
+  const char* f = view.format != nullptr ? view.format : "B";
+  if (*f == '@' || *f == '=' || *f == '<') ++f;  // native or little-endian (this module runs on x86/arm LE)
+  if (f[0] == '\0' || f[1] != '\0') return 0;
+  if ((*f == 'i' || *f == 'I') && view.itemsize == 4) return 4;
+  if ((*f == 'l' || *f == 'L' || *f == 'q' || *f == 'Q') && view.itemsize == 8) return 8;
+  return 0;
+}
+
+// Fills `view` over `obj`: C-contiguous, one dimension, 4- or 8-byte integers. False with a Python error set.
+bool integer_buffer(PyObject* obj, Py_buffer& view, bool writable, const char* what) {
+  const int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj, &view, flags) != 0) return false;
+  if (view.ndim != 1 || integer_width(view) == 0) {
+    PyErr_Format(PyExc_TypeError, "%s must be a one-dimensional buffer of int32 or int64", what);
+    PyBuffer_Release(&view);
+    return false;
+  }
+  return true;
+}
+
+PyObject* fp_alloc_into(PyObject* self, PyObject* args) {
+  static thread_local std::vector<std::int32_t> ids;
+  PyObject* count_obj = nullptr;
+  PyObject* out_obj = nullptr;
+  if (!PyArg_ParseTuple(args, "OO:alloc_into", &count_obj, &out_obj)) return nullptr;
+  std::int64_t count = 0;
+  if (!to_int64(count_obj, count, "alloc_into() count")) return nullptr;
+  Py_buffer out;
+  if (!integer_buffer(out_obj, out, true, "alloc_into() out")) return nullptr;
+  const std::int64_t room = static_cast<std::int64_t>(out.len / out.itemsize);
+  if (count > room) {
+    PyBuffer_Release(&out);
+    PyErr_Format(PyExc_ValueError, "alloc_into() count %lld exceeds the buffer's %lld elements",
+                 static_cast<long long>(count), static_cast<long long>(room));
+    return nullptr;
+  }
+  ids.clear();
+  bool served = false;
+  try {
+    served = allocator_of(self).alloc(count, ids);
+  } catch (...) {
+    PyBuffer_Release(&out);
+    set_python_error();
+    return nullptr;
+  }
+  if (served) {
+    if (out.itemsize == 8) {
+      auto* dst = static_cast<std::int64_t*>(out.buf);
+      for (std::size_t i = 0; i < ids.size(); ++i) dst[i] = ids[i];
+    } else {
+      std::copy(ids.begin(), ids.end(), static_cast<std::int32_t*>(out.buf));
+    }
+  }
+  PyBuffer_Release(&out);
+  return PyBool_FromLong(served);
+}
+
+PyObject* fp_free_from(PyObject* self, PyObject* arg) {
+  static thread_local std::vector<std::int64_t> ids;
+  Py_buffer view;
+  if (!integer_buffer(arg, view, false, "free_from() ids")) return nullptr;
+  const auto n = static_cast<std::size_t>(view.len / view.itemsize);
+  if (view.itemsize == 8) {
+    const auto* src = static_cast<const std::int64_t*>(view.buf);
+    ids.assign(src, src + n);
+  } else {
+    const auto* src = static_cast<const std::int32_t*>(view.buf);
+    ids.assign(src, src + n);
+  }
+  PyBuffer_Release(&view);
+  try {
+    allocator_of(self).free(ids.data(), ids.size());
+  } catch (...) {
+    set_python_error();
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* fp_available_size(PyObject* self, PyObject*) {
   return PyLong_FromLongLong(allocator_of(self).available_size());
 }
@@ -94,6 +177,12 @@ PyMethodDef fp_methods[] = {
      "or the memory limit cannot serve `count` blocks now. ValueError for count <= 0."},
     {"free", fp_free, METH_O,
      "free(ids) -> None\n\nFree block ids. ValueError (and nothing freed) on an unknown, reserved or duplicate id."},
+    {"alloc_into", fp_alloc_into, METH_VARARGS,
+     "alloc_into(count, out) -> bool\n\nalloc(count), the ids written into the first `count` elements of `out` (a "
+     "writable one-dimensional int32/int64 buffer, e.g. a pinned CPU tensor's .numpy()) instead of a list. "
+     "False (out untouched) when alloc() would return None."},
+    {"free_from", fp_free_from, METH_O,
+     "free_from(ids) -> None\n\nfree() of the ids in a one-dimensional int32/int64 buffer (no list built)."},
     {"available_size", fp_available_size, METH_NOARGS,
      "available_size() -> int\n\nBlocks alloc() could hand out now (lock-free; never calls the driver)."},
     {nullptr, nullptr, 0, nullptr}};

@@ -22,7 +22,7 @@ PagedRegion::PagedRegion(std::shared_ptr<MemoryBackend> backend, std::size_t pag
       page_bytes_(page_bytes),
       num_pages_(num_pages),
       num_buffers_(num_buffers),
-      reservation_(std::make_shared<Reservation>(backend_, num_buffers * num_pages * page_bytes)),
+      reservation_(std::make_shared<Reservation>(backend_, num_buffers * num_pages * page_bytes, page_bytes)),
       pool_(std::make_unique<PagePool>(backend_, pool_config(page_bytes, pool_target, pool_max))),
       handles_(num_pages * num_buffers, 0) {}
 

@@ -149,6 +149,8 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         self.alloc = fast.alloc
         self.free = fast.free
         self.available_size = fast.available_size
+        self.alloc_into = fast.alloc_into
+        self.free_from = fast.free_from
         self._page_table = None
         try:
             if mapped_by_workers:
@@ -195,6 +197,16 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
     def free(self, ids: Sequence[int]) -> None:
         """Free block ids. ValueError (and nothing freed) on an unknown, reserved or duplicate id."""
         self._fast_path().free(ids)
+
+    def alloc_into(self, count: int, out: Any) -> bool:
+        """:meth:`alloc` with the ids written into the first ``count`` elements of ``out`` (a writable
+        one-dimensional int32/int64 buffer, e.g. a pinned tensor's ``.numpy()``) instead of a new list: no
+        Python int per block. False, ``out`` untouched, when :meth:`alloc` would return None."""
+        return self._fast_path().alloc_into(count, out)
+
+    def free_from(self, ids: Any) -> None:
+        """:meth:`free` of the ids in a one-dimensional int32/int64 buffer (a CPU tensor's ``.numpy()``)."""
+        self._fast_path().free_from(ids)
 
     def available_size(self) -> int:
         """Blocks ``alloc`` could hand out now (a lower bound; lock-free, never calls the driver)."""

@@ -35,5 +35,9 @@ class SchedulerCount:
         if ids is None and count <= self.counted:
             ids = self.manager.alloc_promised(count, on_short=on_short)
         if ids is not None:
-            self.counted = max(0, self.counted - count)
+            self.took(count)
         return ids
+
+    def took(self, count: int) -> None:
+        """``count`` blocks were served (by whatever call): the count goes down by them."""
+        self.counted = max(0, self.counted - count)

@@ -63,7 +63,7 @@ def main() -> None:
                 done = engine.generate(input_ids=prompts, sampling_params=params)
                 return sum(len(o["output_ids"]) for o in done)
 
-            result["throughput"] = timed_batches(generate, batch, args.input_len, args.repeats)
+            result["throughput"] = timed_batches(generate, batch, args.input_len, args.repeats, "sglang")
         result["pools_after"] = pools("sglang")
         result["kvcached_enabled"] = os.environ.get("KVCACHED_ENABLE", "1") != "0"
         print("RESULT " + json.dumps(result), flush=True)

@@ -7,12 +7,15 @@ The vLLM harness's phases (``benchmarks/gpu/vllm/suite.py``) with SGLang in plac
 - ``offline``: fresh ``sglang.Engine`` processes alternating without/with kvcached (``KVCACHED_ENABLE=0/1``):
   greedy tokens of 256 prompts with the radix cache off and on (must be identical), and each engine's median
   of three timed batches (offline throughput ratio); ``offline.json`` is rewritten after every engine.
+- ``growth-cost``: vanilla, kvcached, kvcached with 32 MiB pages, and kvcached keeping its KV mapped between
+  batches: what growing the KV from empty costs a batch (the vLLM harness's phase).
 - ``serve``: one ``python -m sglang.launch_server`` without, then one with kvcached; the open-loop streaming
   client at 16 and 64 requests/s and at saturation: TTFT and TPOT p50/p99, and kvcached's map and unmap calls
   per rate.
 - ``pools``: SGLang's other KV pools: a random DeepSeek-V2-Lite-shaped model (``mla`` pool) and a random
-  Falcon-H1 hybrid (``mamba`` pool, K/V in ``mha``), plus the main model (``mha``): one server without and one
-  with kvcached each; greedy tokens of 32 prompts compared, and ``kvctl list --json`` while it runs.
+  Falcon-H1 hybrid (``mamba`` pool, K/V in ``mha``): one server without and one with kvcached each; greedy
+  tokens of 32 prompts compared, and ``kvctl list --json`` while it runs (the main model's ``mha`` pool is
+  what ``offline`` and ``serve`` measure).
 - ``release``: ``release_memory_occupation`` / ``resume_memory_occupation`` (what RL frameworks call) on an
   ``sglang.Engine`` with the memory saver, without and with kvcached: memory before, released and resumed,
   and greedy tokens after resuming (``release_engine.py``).
@@ -100,7 +103,6 @@ def phase_pools(args: argparse.Namespace) -> dict:
     """Each pool kind under a real server, without and with kvcached: identity and what kvctl lists."""
     tmp = tempfile.gettempdir()
     models = {
-        "mha": args.model,
         "mla": make_tiny_mla(os.path.join(tmp, "kvcached-tiny-mla")),
         "mamba": make_tiny_hybrid_mamba(os.path.join(tmp, "kvcached-tiny-falcon-h1")),
     }
@@ -173,12 +175,20 @@ def phase_mixed(args: argparse.Namespace) -> dict:
     return harness.share_bursts(args, engines, "vLLM and SGLang on one H200", "mixed.png")
 
 
-PHASES = {"serve": harness.phase_serve, "pools": phase_pools, "release": phase_release, "mixed": phase_mixed}
+PHASES = {
+    "serve": harness.phase_serve,
+    "growth-cost": harness.phase_growth_cost,
+    "pools": phase_pools,
+    "release": phase_release,
+    "mixed": phase_mixed,
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("phases", nargs="+", choices=["model", "offline", "serve", "pools", "release", "mixed"])
+    parser.add_argument(
+        "phases", nargs="+", choices=["model", "offline", "growth-cost", "serve", "pools", "release", "mixed"]
+    )
     parser.add_argument("--out", required=True, help="folder for JSON and logs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
     parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")

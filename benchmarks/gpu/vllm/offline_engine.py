@@ -44,21 +44,46 @@ def pools(engine: str = "vllm") -> list[dict]:
     return control.instances(engine=engine)
 
 
+def kv_activity(engine: str) -> dict[str, int]:
+    """This engine's kvcached driver activity so far, summed over its pools: map and unmap calls, mapped bytes
+    (all zero without kvcached)."""
+    from kvcached_core import control
+
+    segments = [s for s in control.scan_segments(control.settings_for()).live if s.info["engine"] == engine]
+    return {
+        "page_maps": sum(s.info["counters"]["page_maps_total"] for s in segments),
+        "page_unmaps": sum(s.info["counters"]["page_unmaps_total"] for s in segments),
+        "mapped_bytes": sum(s.info["mapped_bytes"] for s in segments),
+    }
+
+
 def timed_batches(
-    generate: Callable[[list[list[int]]], int], batch: list[list[int]], input_len: int, repeats: int
+    generate: Callable[[list[list[int]]], int],
+    batch: list[list[int]],
+    input_len: int,
+    repeats: int,
+    engine: str = "vllm",
 ) -> dict:
     """The median of ``repeats`` timed ``generate(batch)`` calls (each returns the tokens it generated), after a
-    warm-up on 64 prompts: one batch's luck does not decide an engine's figure."""
+    warm-up on 64 prompts: one batch's luck does not decide an engine's figure. Each batch's kvcached map and
+    unmap calls are recorded with it (where the time went when a batch is slower)."""
     generate(batch[:64])
-    seconds, generated = [], 0
+    seconds, activity, generated = [], [], 0
     for _ in range(repeats):
+        before = kv_activity(engine)
         begin = time.monotonic()
         generated = generate(batch)
         seconds.append(time.monotonic() - begin)
+        after = kv_activity(engine)
+        activity.append(
+            {k: after[k] - before[k] for k in ("page_maps", "page_unmaps")}
+            | {"mapped_bytes_after": after["mapped_bytes"]}
+        )
     elapsed = statistics.median(seconds)
     return {
         "seconds": elapsed,
         "seconds_each": seconds,
+        "kvcached_each": activity,
         "output_tokens_per_s": generated / elapsed,
         "total_tokens_per_s": (generated + len(batch) * input_len) / elapsed,
         "requests_per_s": len(batch) / elapsed,

@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu/vllm/run.sh OUT_DIR GPUS:PHASE[,PHASE...] [GPUS:PHASE[,PHASE...] ...]
 #
-#   phases: core probe tests offline backstop serve share share3 limit tp     (tp needs two GPUs: 0,1:tp)
+#   phases: core probe tests offline growth-cost backstop serve share share3 limit tp     (tp needs two GPUs: 0,1:tp)
 #   e.g.    run.sh $OUT 0:tests,offline 1:share,share3    then    run.sh $OUT 0:serve 1:limit    then 0,1:tp
 #
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
@@ -43,7 +43,7 @@ export USE_HUB_KERNELS=0 HF_HUB_OFFLINE=1
 cat "$out/machine.txt"
 
 # A later call on the same machine with the same sources skips the build.
-sources=$(cd "$repo" && find csrc kvcached_core kvcached_vllm/src kvcached_sglang/src CMakeLists.txt pyproject.toml -type f -print0 \
+sources=$(cd "$repo" && find csrc src kvcached_vllm/src kvcached_sglang/src CMakeLists.txt pyproject.toml -type f -print0 \
   | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
 if [ -f "/tmp/kv/.sources-$sources" ]; then
   echo "== kvcached in /tmp/kv is built from these sources"

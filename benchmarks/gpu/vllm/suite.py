@@ -7,6 +7,8 @@ Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 - ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
   tokens of 256 prompts with prefix caching off and on (must be identical), then timed batches (offline
   throughput ratio, two pairs, each engine's median of three).
+- ``growth-cost``: four fresh engines (vanilla, kvcached, kvcached with 32 MiB pages, kvcached keeping its KV
+  mapped between batches): what growing the KV from empty costs a batch, and what is left.
 - ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
 - ``serve``: one ``vllm serve`` without, then one with kvcached; an open-loop client (Poisson arrivals,
   streaming) at three request rates up to saturation: TTFT and TPOT p50/p99, request throughput, failures.
@@ -165,6 +167,40 @@ def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
             runs[f"{label}/{side}"] = run_offline_engine(args, side == "kvcached", extra, logfile)
             result = compare_offline(runs, [label for label, _ in plan], tp)
             write(args.out, name, result)
+    return result
+
+
+def phase_growth_cost(args: argparse.Namespace) -> dict:
+    """Where kvcached's offline throughput goes: four fresh engines, prefix caching off: vanilla; kvcached;
+    kvcached with 32 MiB pages (``KVCACHED_PAGE_BYTES``: 16x fewer driver calls to grow); kvcached with
+    ``KVCACHED_RECLAIM_DELAY_MS`` of 10 minutes, so the KV mapped by the first batch stays for the next ones.
+    The gap between the first and last kvcached figures is what growing the KV from empty costs per batch;
+    the rest is kvcached's cost with the memory already mapped. Greedy tokens of 32 prompts are compared
+    with vanilla's."""
+    logfile = os.path.join(args.out, "growth_cost.log")
+    extra = ["--identity-prompts", "32"]
+    sides = [
+        ("vanilla", False, None),
+        ("kvcached", True, None),
+        ("kvcached-32M", True, {"KVCACHED_PAGE_BYTES": "32M"}),
+        ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
+    ]
+    result: dict = {}
+    vanilla: dict = {}
+    for label, kvcached, env in sides:
+        log(f"growth-cost {label}")
+        run = run_offline_engine(args, kvcached, extra, logfile, env)
+        result[label] = run.get("throughput", run)
+        if label == "vanilla":
+            vanilla = run
+        elif "tokens" in vanilla and "tokens" in run:
+            result[label]["identity"] = identity(vanilla, run)  # greedy tokens of 32 prompts against vanilla
+        write(args.out, "growth_cost", result)
+    base = result.get("vanilla", {}).get("output_tokens_per_s")
+    for label in ("kvcached", "kvcached-kept"):
+        rate = result.get(label, {}).get("output_tokens_per_s")
+        if base and rate:
+            result[f"ratio_{label}"] = rate / base
     return result
 
 
@@ -686,7 +722,7 @@ def phase_probe(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    phases = ["model", "probe", "offline", "backstop", "serve", "share", "share3", "limit", "tp"]
+    phases = ["model", "probe", "offline", "growth-cost", "backstop", "serve", "share", "share3", "limit", "tp"]
     parser.add_argument("phases", nargs="+", choices=phases)
     parser.add_argument("--out", required=True, help="folder for JSON, logs and PNGs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
@@ -709,6 +745,8 @@ def main() -> int:
                 write(args.out, "probe", phase_probe(args))
             elif phase == "offline":
                 phase_offline(args)  # writes offline.json itself, after every engine
+            elif phase == "growth-cost":
+                write(args.out, "growth_cost", phase_growth_cost(args))
             elif phase == "backstop":
                 write(args.out, "backstop", phase_backstop(args))
             elif phase == "tp":

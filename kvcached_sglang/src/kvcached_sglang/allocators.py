@@ -6,6 +6,12 @@ mapped), frees go back to it (whole pages are unmapped after its delayed, fenced
 ``available_size()`` says what can really be mapped now (physical memory and ``kvctl limit``). SGLang's own
 index arithmetic (``alloc_extend``/``alloc_decode`` kernels) still runs, over exactly the pages taken.
 
+SGLang keeps its free list on the GPU so that its scheduler never waits for the GPU (it prepares the next
+batch while the current one runs). The ids kvcached hands out therefore travel host to device through a
+pinned buffer without a wait, and freed ids device to host the same way: each free is queued with an event
+and given to kvcached once the copy is done (at the next allocation or count; counted as available
+meanwhile, and waited for only when an allocation needs them).
+
 A shortage is SGLang's normal ``None``; SGLang decides admission and retraction from ``available_size()``
 beforehand and treats a None after that check as fatal, so what the last ``available_size()`` reported is
 served even if a ``kvctl limit`` or another process took the memory meanwhile
@@ -16,6 +22,7 @@ that is not elastic (a layout kvcached does not cover) every method is SGLang's 
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +51,9 @@ class ElasticAllocatorMixin:
         self._manager = getattr(bound.arguments["kvcache"], "kvcached_manager", None)
         self._empty = None
         self._count = SchedulerCount(self._manager)  # pages SGLang's scheduler was last told are available
+        self._cuda = torch.device(bound.arguments["device"]).type == "cuda"
+        self._freeing: deque[tuple[Any, torch.Tensor]] = deque()  # (copy-done event, pinned host ids)
+        self._freeing_pages = 0
 
     @property
     def elastic(self) -> bool:
@@ -59,17 +69,51 @@ class ElasticAllocatorMixin:
         """``num_pages`` page ids as a tensor on the pool's device, or None when they cannot be mapped now."""
         if num_pages <= 0:
             return self._no_pages()
-        ids = self._count.honour(num_pages, self._manager.alloc(num_pages))
-        if ids is None:
-            return None
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        self._settle_frees()
+        host = torch.empty(num_pages, dtype=torch.int64, pin_memory=self._cuda)
+        served = self._manager.alloc_into(num_pages, host.numpy())
+        if not served and self._freeing:  # what it needs may be in frees still on their way
+            self._settle_frees(wait=True)
+            served = self._manager.alloc_into(num_pages, host.numpy())
+        if served:
+            self._count.took(num_pages)
+        else:
+            ids = self._count.honour(num_pages, None)  # served anyway if the scheduler was promised them
+            if ids is None:
+                return None
+            host.copy_(torch.tensor(ids, dtype=torch.int64))
+        return host.to(self.device, non_blocking=True) if self._cuda else host
 
     def _give(self, page_ids: torch.Tensor) -> None:
-        if page_ids.numel():
-            self._manager.free(page_ids.tolist())
+        if not page_ids.numel():
+            return
+        ids = page_ids.reshape(-1)
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.to(torch.int64)
+        if not ids.is_cuda:
+            self._manager.free_from(ids.contiguous().numpy())
+            return
+        host = torch.empty(ids.numel(), dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._freeing.append((done, host))
+        self._freeing_pages += host.numel()
+
+    def _settle_frees(self, wait: bool = False) -> None:
+        """Give kvcached the freed ids whose copy to the host is done (``wait``: all of them)."""
+        while self._freeing:
+            done, host = self._freeing[0]
+            if not wait and not done.query():
+                return
+            done.synchronize()
+            self._freeing.popleft()
+            self._freeing_pages -= host.numel()
+            self._manager.free_from(host.numpy())
 
     def _elastic_available(self) -> int:
-        return self._count.report(self._manager.available_size()) * self.page_size
+        self._settle_frees()
+        return self._count.report(self._manager.available_size() + self._freeing_pages) * self.page_size
 
     def logical_available_size(self) -> int:
         """Tokens not held by any request or cache entry, whether or not memory is mapped for them.
@@ -77,11 +121,14 @@ class ElasticAllocatorMixin:
         SGLang's idle leak check compares this figure (not the physical ``available_size()``) with its pool
         size: another engine holding memory is not a leak.
         """
+        self._settle_frees(wait=True)
         return self.size - self._manager.snapshot()["allocated_blocks"] * self.page_size  # null block not counted
 
     def _clear_elastic(self) -> None:
         """After SGLang's own ``clear()`` (which resets its free-group state in every release): nothing is
         held in kvcached, and SGLang's free list stays empty (kvcached is the free list)."""
+        self._freeing.clear()  # their blocks are among those clear() frees
+        self._freeing_pages = 0
         self._manager.clear()
         self.free_pages = self._no_pages()
 
