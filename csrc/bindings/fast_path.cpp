@@ -54,6 +54,17 @@ PyObject* fp_alloc(PyObject* self, PyObject* arg) {
   return list;
 }
 
+// Frees `n` ids; None, or nullptr with the Python error set (nothing freed on a bad id).
+PyObject* free_ids(PyObject* self, const std::int64_t* ids, std::size_t n) {
+  try {
+    allocator_of(self).free(ids, n);
+  } catch (...) {
+    set_python_error();
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* fp_free(PyObject* self, PyObject* arg) {
   static thread_local std::vector<std::int64_t> ids;
   PyObject* seq = PySequence_Fast(arg, "free() takes a sequence of block ids");
@@ -68,13 +79,7 @@ PyObject* fp_free(PyObject* self, PyObject* arg) {
     }
   }
   Py_DECREF(seq);
-  try {
-    allocator_of(self).free(ids.data(), ids.size());
-  } catch (...) {
-    set_python_error();
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return free_ids(self, ids.data(), ids.size());
 }
 
 // The buffer's element width when it holds native 4- or 8-byte integers (numpy's i/l/q, a CPU tensor's
@@ -142,21 +147,16 @@ PyObject* fp_free_from(PyObject* self, PyObject* arg) {
   Py_buffer view;
   if (!integer_buffer(arg, view, false, "free_from() ids")) return nullptr;
   const auto n = static_cast<std::size_t>(view.len / view.itemsize);
+  PyObject* result = nullptr;
   if (view.itemsize == 8) {
-    const auto* src = static_cast<const std::int64_t*>(view.buf);
-    ids.assign(src, src + n);
+    result = free_ids(self, static_cast<const std::int64_t*>(view.buf), n);
   } else {
     const auto* src = static_cast<const std::int32_t*>(view.buf);
     ids.assign(src, src + n);
+    result = free_ids(self, ids.data(), n);
   }
   PyBuffer_Release(&view);
-  try {
-    allocator_of(self).free(ids.data(), ids.size());
-  } catch (...) {
-    set_python_error();
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return result;
 }
 
 PyObject* fp_available_size(PyObject* self, PyObject*) {

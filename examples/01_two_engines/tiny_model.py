@@ -7,6 +7,9 @@ the weights stay small."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from typing import Any
 
 TEXT = [
     "the quick brown fox jumps over the lazy dog",
@@ -65,8 +68,22 @@ def make_tiny_llama(
         eos_token_id=tokenizer.eos_token_id,
         torch_dtype=dtype,
     )
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    return save_model(LlamaForCausalLM(config).to(getattr(torch, dtype)), tokenizer, path)
+
+
+def save_model(model: Any, tokenizer: Any, path: str) -> str:
+    """Write ``model`` and ``tokenizer`` to ``path`` and return it. They are written to a folder beside it,
+    then moved in with config.json last: a run killed halfway leaves no config.json, so the next call makes
+    the model again instead of loading a partial one."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".model-", dir=parent)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        os.makedirs(path, exist_ok=True)
+        for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return path

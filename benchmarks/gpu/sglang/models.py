@@ -18,39 +18,20 @@ positions, and weigh 52 MB and 32 MB at 4 layers. Serve them with ``--attention-
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _tokenizer() -> Any:
+def _tiny_model() -> Any:
+    """``examples/01_two_engines/tiny_model.py``: its tokenizer and its crash-safe ``save_model``."""
     examples = os.path.join(REPO, "examples", "01_two_engines")
     if examples not in sys.path:
         sys.path.insert(0, examples)
-    from tiny_model import make_tokenizer
+    import tiny_model
 
-    return make_tokenizer()
-
-
-def _save(model: Any, tokenizer: Any, path: str) -> str:
-    """Write to a folder beside ``path``, then move the files in with config.json last: a run killed halfway
-    leaves no config.json, so the next call makes the model again instead of serving a partial one."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".model-", dir=parent)
-    try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        os.makedirs(path, exist_ok=True)
-        names = sorted(os.listdir(staging), key=lambda name: name == "config.json")
-        for name in names:
-            os.replace(os.path.join(staging, name), os.path.join(path, name))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return path
+    return tiny_model
 
 
 def make_tiny_mla(path: str, seed: int = 0, *, layers: int = 4) -> str:
@@ -60,7 +41,7 @@ def make_tiny_mla(path: str, seed: int = 0, *, layers: int = 4) -> str:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    tokenizer = _tokenizer()
+    tokenizer = _tiny_model().make_tokenizer()
     torch.manual_seed(seed)
     config = DeepseekV2Config(
         vocab_size=len(tokenizer),
@@ -92,7 +73,7 @@ def make_tiny_mla(path: str, seed: int = 0, *, layers: int = 4) -> str:
         dtype="bfloat16",
     )
     model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
-    return _save(model, tokenizer, path)
+    return _tiny_model().save_model(model, tokenizer, path)
 
 
 def make_tiny_hybrid_mamba(path: str, seed: int = 0, *, layers: int = 4) -> str:
@@ -103,7 +84,7 @@ def make_tiny_hybrid_mamba(path: str, seed: int = 0, *, layers: int = 4) -> str:
     import torch
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
-    tokenizer = _tokenizer()
+    tokenizer = _tiny_model().make_tokenizer()
     torch.manual_seed(seed)
     config = FalconH1Config(
         vocab_size=len(tokenizer),
@@ -139,4 +120,4 @@ def make_tiny_hybrid_mamba(path: str, seed: int = 0, *, layers: int = 4) -> str:
         model = FalconH1ForCausalLM(config).to(torch.bfloat16)
     finally:
         modeling_falcon_h1.lazy_load_kernel = lookup
-    return _save(model, tokenizer, path)
+    return _tiny_model().save_model(model, tokenizer, path)
