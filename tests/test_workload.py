@@ -3,6 +3,7 @@ process, driven over stdin, with the snapshot it reports checked against the con
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -26,6 +27,11 @@ def test_commands_drive_a_real_manager(tmp_path):
         assert w.ask("alloc 100000") == "miss"  # beyond the virtual capacity: a miss, nothing changes
         assert w.ask("free 64") == "ok"
         assert w.ask("trim") == f"ok {2 * PAGE}"  # the two emptied pages; the third still holds a block
+        assert w.ask("grow 40") == "ok 40"  # one block at a time up to 40 held
+        assert w.ask("grow 5000") == "miss 1024"  # until alloc refuses: the whole virtual capacity
+        snap = json.loads(w.ask("json"))
+        assert snap["allocated_blocks"] == 1024 and snap["page_bytes"] == 2 * MiB
+        assert w.ask("free 1023") == "ok"  # back to one held block (the page it is on stays mapped)
         assert w.ask("rewind") == "error: unknown command 'rewind'"
         s = control.settings_for(runtime)
         assert wait_for(lambda: [r["mapped_bytes"] for r in control.instances(s, name="driven")] == [PAGE])

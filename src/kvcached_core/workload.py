@@ -7,9 +7,11 @@ It prints ``ready`` once its manager exists and its first ``--hold`` blocks are 
 they could not be), then answers one line per command read from stdin:
 
     alloc N   ok | miss            take N more blocks and keep them
+    grow CAP  ok HELD | miss HELD  take one block at a time until CAP are held (ok) or alloc refuses (miss)
     free N    ok                   free the N blocks held longest (all of them without N)
     trim      ok BYTES             unmap every empty page now
     snap      MAPPED LIMIT USED    mapped bytes, limit bytes (None: no limit), allocated blocks
+    json      {SNAPSHOT}           the manager's whole snapshot() as one JSON line
     quit      (no answer)          close the manager and exit 0; so does the end of stdin
 
 Run ``--help`` for the geometry and settings options. :class:`Workload` starts and drives one.
@@ -18,6 +20,7 @@ Run ``--help`` for the geometry and settings options. :class:`Workload` starts a
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -124,6 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             ids = manager.alloc(int(arg))
             held += ids or []
             print("ok" if ids else "miss", flush=True)
+        elif command == "grow":
+            refused = False
+            while len(held) < int(arg) and not refused:
+                ids = manager.alloc(1)
+                refused = ids is None
+                held += ids or []
+            print("miss" if refused else "ok", len(held), flush=True)
         elif command == "free":
             n = int(arg) if arg else len(held)
             manager.free(held[:n])
@@ -134,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif command == "snap":
             snap = manager.snapshot()
             print(snap["mapped_bytes"], snap["limit_bytes"], snap["allocated_blocks"], flush=True)
+        elif command == "json":
+            print(json.dumps(manager.snapshot()), flush=True)
         elif command == "quit":
             break
         else:
