@@ -90,7 +90,10 @@ class Settings:
 SETTINGS: dict[str, Setting] = {
     "enable": Setting("KVCACHED_ENABLE", _bool, "0 turns the engine plugins off"),
     "page_bytes": Setting(
-        "KVCACHED_PAGE_BYTES", _size, "physical page size; 0 = 2 MiB, or the smallest granule above a block"
+        "KVCACHED_PAGE_BYTES",
+        _size,
+        "physical page size; 0 = 2 MiB, or the smallest granule above a block; larger pages map bursts faster, "
+        "in coarser units",
     ),
     "reserved_pages": Setting(
         "KVCACHED_RESERVED_PAGES", _non_negative_int, "mapped empty pages kept for reuse (per manager)"
@@ -111,8 +114,8 @@ SETTINGS: dict[str, Setting] = {
     "backstop": Setting(
         "KVCACHED_BACKSTOP",
         _bool,
-        "CUDA: unmapped pages map one shared zeroed page, so a kernel reading an unallocated block reads zeros "
-        "instead of faulting (one more driver call per map and unmap; 0 = leave them unmapped)",
+        "CUDA: unmapped pages map one shared zeroed page of their size, so a kernel reading an unallocated block "
+        "reads zeros instead of faulting (one more driver call per map and unmap; 0 = leave them unmapped)",
     ),
     "host_device_bytes": Setting(
         "KVCACHED_HOST_DEVICE_BYTES",
