@@ -12,6 +12,7 @@ The vLLM harness's phases (``benchmarks/gpu/vllm/suite.py``) with SGLang in plac
 - ``serve``: one ``python -m sglang.launch_server`` without, then one with kvcached; the open-loop streaming
   client at 16 and 64 requests/s and at saturation: TTFT and TPOT p50/p99, and kvcached's map and unmap calls
   per rate.
+- ``burst``: the vLLM harness's burst of long prompts at an idle server, with SGLang's server.
 - ``pools``: SGLang's other KV pools: a random DeepSeek-V2-Lite-shaped model (``mla`` pool) and a random
   Falcon-H1 hybrid (``mamba`` pool, K/V in ``mha``): one server without and one with kvcached each; greedy
   tokens of 32 prompts compared, and ``kvctl list --json`` while it runs (the main model's ``mha`` pool is
@@ -191,7 +192,7 @@ PHASES = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "phases", nargs="+", choices=["model", "offline", "growth-cost", "serve", "pools", "release", "mixed"]
+        "phases", nargs="+", choices=["model", "offline", "growth-cost", "serve", "burst", "pools", "release", "mixed"]
     )
     parser.add_argument("--out", required=True, help="folder for JSON and logs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")

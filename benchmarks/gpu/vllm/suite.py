@@ -12,6 +12,8 @@ Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 - ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
 - ``serve``: one ``vllm serve`` without, then one with kvcached; an open-loop client (Poisson arrivals,
   streaming) at three request rates up to saturation: TTFT and TPOT p50/p99, request throughput, failures.
+- ``burst``: a burst of 64 prompts of 2048 tokens arriving at an idle server (without kvcached, with it, with
+  it and 32 MiB pages): TTFT while the KV cache grows, and kvcached's map calls.
 - ``share`` / ``share3``: two (three) engines started at the same moment on one GPU, each sized with
   ``--gpu-memory-utilization`` to a virtual KV capacity close to the whole GPU; bursts to each in turn;
   every engine's mapped KV memory sampled every 50 ms (PNG). Reports each burst's peak against the first
@@ -456,6 +458,46 @@ def phase_serve(args: argparse.Namespace) -> dict:
     return result
 
 
+def phase_burst(args: argparse.Namespace) -> dict:
+    """A burst of long prompts arriving at an idle engine: the first token waits for the KV cache to grow.
+    Three servers one after the other (without kvcached; kvcached; kvcached with 32 MiB pages), each warmed
+    up, then three bursts of 64 prompts of 2048 tokens sent at once (16 generated), each after 5 s of idle
+    (two reclaim windows: the previous burst's KV was given back). TTFT p50/p99 per burst, the median burst
+    of each server against vanilla's, and kvcached's map calls per burst."""
+    sides = [("vanilla", False, None), ("kvcached", True, None), ("kvcached-32M", True, {"KVCACHED_PAGE_BYTES": "32M"})]
+    result: dict = {"prompts": 64, "input_len": 2048, "output_len": 16, "idle_s": 5, "servers": {}}
+    for label, kvcached, env in sides:
+        wait_for_empty_gpus()
+        server = args.server(f"burst-{label}", 8150, args.model, kvcached, args.out, [], args.gpu, env)
+        runs: dict = {}
+        try:
+            runs["startup_s"] = server.wait_ready()
+            asyncio.run(open_loop(8150, server.name, token_prompts(8, 512, 1), float("inf"), 4))  # warm
+            runs["bursts"] = []
+            for i in range(3):
+                time.sleep(result["idle_s"])
+                before = driver_calls(server.name)
+                stats = asyncio.run(open_loop(8150, server.name, token_prompts(64, 2048, 10 + i), float("inf"), 16))
+                after = driver_calls(server.name)
+                stats["driver_calls"] = {k: after[k] - before[k] for k in after}
+                runs["bursts"].append(stats)
+                log(f"burst {label} {i}: ttft p50 {stats['ttft_p50']} maps {stats['driver_calls']}")
+        except RuntimeError as exc:
+            runs["error"] = str(exc)
+        finally:
+            server.stop()
+        result["servers"][label] = runs
+        write(args.out, "burst", result)
+    medians = {
+        label: statistics.median(b["ttft_p50"] for b in runs["bursts"] if b.get("ttft_p50") is not None)
+        for label, runs in result["servers"].items()
+        if any(b.get("ttft_p50") is not None for b in runs.get("bursts", []))
+    }
+    if "vanilla" in medians:
+        result["ttft_p50_ratio"] = {k: v / medians["vanilla"] for k, v in medians.items() if k != "vanilla"}
+    return result
+
+
 # -- sharing one GPU -------------------------------------------------------------------------------------
 
 
@@ -722,7 +764,19 @@ def phase_probe(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    phases = ["model", "probe", "offline", "growth-cost", "backstop", "serve", "share", "share3", "limit", "tp"]
+    phases = [
+        "model",
+        "probe",
+        "offline",
+        "growth-cost",
+        "backstop",
+        "serve",
+        "burst",
+        "share",
+        "share3",
+        "limit",
+        "tp",
+    ]
     parser.add_argument("phases", nargs="+", choices=phases)
     parser.add_argument("--out", required=True, help="folder for JSON, logs and PNGs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
@@ -753,6 +807,8 @@ def main() -> int:
                 phase_offline(args, tp=2)
             elif phase == "serve":
                 write(args.out, "serve", phase_serve(args))
+            elif phase == "burst":
+                write(args.out, "burst", phase_burst(args))
             elif phase == "share":
                 write(args.out, "share_x2", phase_share(args, 2))
             elif phase == "share3":
