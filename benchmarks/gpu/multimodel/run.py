@@ -1,0 +1,274 @@
+"""Several models on one GPU: kvcached against static partitioning, the same bursty traffic, the same seeds.
+
+    python run.py static  --models 2|3 --out DIR [--duration 120]    vLLM servers, each a fixed slice
+    python run.py elastic --models 2|3 --out DIR [--duration 120]    vLLM servers with kvcached
+    python run.py compare --models 2|3 --out DIR                      the two runs side by side: JSON and PNG
+
+Each configuration starts N ``vllm serve`` on one GPU (random weights, made here): an 8B-like model
+(Llama-3-8B's attention: 32 layers of 8 KV heads of 128, 128 KiB of KV a token), a 3B-like one (Llama-3.2-3B's:
+28 layers, 112 KiB a token) and, with three, a 1B-like one (Llama-3.2-1B's: 16 layers of 8 KV heads of 64,
+32 KiB a token); hidden and MLP sizes are small so they load in seconds. ``static`` gives each engine
+``--gpu-memory-utilization`` 0.9/N (what operators do today) and starts them one after the other;
+``elastic`` gives each kvcached and a virtual KV capacity close to the whole GPU (0.85 with two, 0.8 with
+three) and starts them at the same moment.
+
+The traffic (``schedule``): per model, Poisson arrivals whose rate switches between idle (``--idle-rate``)
+and a burst (``--burst-rate``, ``--burst-s`` long) once every ``--period-s``, the models' bursts evenly
+out of phase; prompt lengths 256 to 3072 tokens (median ~1500) and output lengths 128 to 1024, drawn from
+fixed seeds: a burst of the 8B-like model wants more KV than a static slice holds. Every
+request records its arrival, first token and finish; the elastic run also samples each engine's mapped KV
+every 50 ms. ``compare`` writes per model TTFT/TPOT p50/p99, SLO attainment (TTFT <= ``--slo-s``) and
+throughput for both, the ratios, and a PNG (TTFT p99 per model; the elastic run's memory over time).
+
+Needs vLLM's CUDA build with kvcached-vllm installed (``benchmarks/gpu/vllm/run.sh`` installs it into
+``/tmp/kv``); each configuration fits one 10-minute device call (start-ups dominate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "vllm"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "examples", "01_two_engines"))
+import suite as harness  # noqa: E402  (servers, the streaming client, GPU helpers)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A random-weight Llama with a real model's attention shape (what sizes its KV cache)."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+
+    def make(self, root: str) -> str:
+        """The model's folder under ``root`` (made once)."""
+        from tiny_model import make_tiny_llama
+
+        return make_tiny_llama(
+            os.path.join(root, f"kvcached-multimodel-{self.name}"),
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.hidden // self.head_dim,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            intermediate=2 * self.hidden,
+            dtype="bfloat16",
+            max_positions=8192,
+        )
+
+
+SHAPES = [
+    ModelShape("llama8b-like", layers=32, kv_heads=8, head_dim=128, hidden=1024),
+    ModelShape("llama3b-like", layers=28, kv_heads=8, head_dim=128, hidden=1024),
+    ModelShape("llama1b-like", layers=16, kv_heads=8, head_dim=64, hidden=512),
+]
+STATIC_UTIL = 0.9  # split evenly between the engines
+ELASTIC_UTIL = {2: "0.85", 3: "0.8"}  # each engine's virtual KV: close to the whole GPU
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of the replayed traffic."""
+
+    at_s: float
+    prompt_len: int
+    output_len: int
+
+
+def schedule(index: int, count: int, args: argparse.Namespace) -> list[Arrival]:
+    """Model ``index``'s arrivals over ``args.duration`` seconds: Poisson at the idle rate, at the burst rate
+    for ``burst_s`` of every ``period_s``; model i's bursts start i/count of a period later than model 0's."""
+    rng = random.Random(1000 + index)
+    offset = args.period_s * index / count
+    arrivals, t = [], 0.0
+    while True:
+        phase = (t - offset) % args.period_s
+        rate = args.burst_rate if phase < args.burst_s else args.idle_rate
+        t += rng.expovariate(rate)
+        if t >= args.duration:
+            return arrivals
+        prompt = min(3072, max(256, int(rng.lognormvariate(7.3, 0.5))))  # median ~1500 tokens
+        arrivals.append(Arrival(t, prompt, rng.randint(128, 1024)))  # within --max-model-len 4096
+
+
+async def replay(servers: list[harness.Server], plans: list[list[Arrival]]) -> list[dict]:
+    """Send every model's arrivals on time (open loop) and return one record per request."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        begin = time.perf_counter()
+
+        async def one(server: harness.Server, model: int, arrival: Arrival, seed: int) -> dict:
+            await asyncio.sleep(max(0.0, arrival.at_s - (time.perf_counter() - begin)))
+            rng = random.Random(seed)
+            prompt = [rng.randrange(3, harness.VOCAB) for _ in range(arrival.prompt_len)]
+            sent = time.perf_counter() - begin
+            out = await harness.one_request(session, server.port, server.name, prompt, arrival.output_len)
+            return {"model": model, "arrival_s": arrival.at_s, "sent_s": sent, **out}
+
+        tasks = [
+            one(server, m, arrival, seed=m * 1_000_000 + i)
+            for m, (server, plan) in enumerate(zip(servers, plans, strict=True))
+            for i, arrival in enumerate(plan)
+        ]
+        records = await asyncio.gather(*tasks)
+    for r in records:
+        if r.get("ok"):
+            r["end_s"] = r.pop("end") - begin
+    return list(records)
+
+
+def run_config(args: argparse.Namespace) -> dict:
+    """Start the servers of one configuration, replay the traffic, stop them; the run's JSON."""
+    count = args.models
+    shapes = SHAPES[:count]
+    elastic = args.command == "elastic"
+    paths = [shape.make(tempfile.gettempdir()) for shape in shapes]
+    with open(os.path.join(paths[0], "config.json")) as f:
+        harness.VOCAB = json.load(f)["vocab_size"]
+    util = ELASTIC_UTIL[count] if elastic else f"{STATIC_UTIL / count:.3f}"
+    extra = ["--gpu-memory-utilization", util, "--max-num-seqs", "256"]
+    plans = [schedule(i, count, args) for i in range(count)]
+    result: dict = {
+        "config": args.command,
+        "models": [s.name for s in shapes],
+        "gpu_memory_utilization": float(util),
+        "traffic": {k: getattr(args, k) for k in ("duration", "period_s", "burst_s", "burst_rate", "idle_rate")},
+        "requests_planned": [len(p) for p in plans],
+    }
+    harness.wait_for_empty_gpus()
+    servers: list[harness.Server] = []
+    try:
+        for i, (shape, path) in enumerate(zip(shapes, paths, strict=True)):
+            servers.append(harness.Server(shape.name, 8500 + i, path, elastic, args.out, extra, args.gpu))
+            if not elastic:  # a static slice is checked against free memory at start: one at a time
+                servers[-1].wait_ready()
+        result["startup_s"] = {s.name: s.wait_ready() for s in servers}
+        harness.log(f"{args.command} x{count}: all up {result['startup_s']}")
+        sampler = harness.Sampler([s.name for s in servers]) if elastic else None
+        records = asyncio.run(replay(servers, plans))
+        if sampler is not None:
+            result["kv_samples"] = sampler.stop()
+        result["requests"] = records
+        result["preemptions"] = {s.name: s.metric("vllm:num_preemptions") for s in servers}
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    finally:
+        for s in servers:
+            s.stop()
+    return result
+
+
+def pct(values: list[float], q: int) -> float | None:
+    """The q-th percentile (None for fewer than two values)."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
+
+
+def model_stats(records: list[dict], model: int, slo_s: float, duration: float) -> dict:
+    """TTFT/TPOT p50/p99, SLO attainment and throughput of one model's requests."""
+    mine = [r for r in records if r["model"] == model]
+    ok = [r for r in mine if r.get("ok")]
+    ttft = [r["ttft"] for r in ok]
+    return {
+        "requests": len(mine),
+        "failed": len(mine) - len(ok),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct([r["tpot"] for r in ok], 50),
+        "tpot_p99": pct([r["tpot"] for r in ok], 99),
+        "slo_attainment": sum(t <= slo_s for t in ttft) / len(mine) if mine else None,
+        "requests_per_s": len(ok) / max(duration, max((r["end_s"] for r in ok), default=duration)),
+    }
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Both configurations' per-model figures, elastic over static, and the PNG."""
+    runs = {}
+    for config in ("static", "elastic"):
+        with open(os.path.join(args.out, f"{config}_x{args.models}.json")) as f:
+            runs[config] = json.load(f)
+    models = runs["static"]["models"]
+    summary: dict = {"models": models, "slo_s": args.slo_s, "per_model": {}}
+    for i, name in enumerate(models):
+        row = {c: model_stats(runs[c].get("requests", []), i, args.slo_s, runs[c]["traffic"]["duration"]) for c in runs}
+        row["elastic_over_static"] = {
+            k: (row["elastic"][k] / row["static"][k] if row["static"][k] and row["elastic"][k] is not None else None)
+            for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "requests_per_s")
+        }
+        summary["per_model"][name] = row
+    summary["errors"] = {c: runs[c]["error"] for c in runs if "error" in runs[c]}
+    plot(runs, summary, os.path.join(args.out, f"multimodel_x{args.models}.png"))
+    return summary
+
+
+def plot(runs: dict, summary: dict, path: str) -> None:
+    """TTFT p99 per model, static against elastic; the elastic run's mapped KV per engine over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = summary["models"]
+    fig, (bars, mem) = plt.subplots(1, 2, figsize=(12, 4))
+    for k, config in enumerate(("static", "elastic")):
+        values = [summary["per_model"][m][config]["ttft_p99"] or 0 for m in models]
+        bars.bar([i + 0.4 * k for i in range(len(models))], values, width=0.4, label=config)
+    bars.set_xticks([i + 0.2 for i in range(len(models))], models, fontsize=8)
+    bars.set_ylabel("TTFT p99 (s)")
+    bars.set_yscale("log")
+    bars.legend()
+    samples = runs["elastic"].get("kv_samples", [])
+    for m in models:
+        mem.plot([s["t"] for s in samples], [s[m] / harness.GiB for s in samples], label=m)
+    mem.set_xlabel("seconds")
+    mem.set_ylabel("mapped KV (GiB)")
+    mem.set_title("elastic: each engine's KV memory")
+    mem.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["static", "elastic", "compare"])
+    parser.add_argument("--models", type=int, choices=[2, 3], default=2, help="engines on the GPU (default 2)")
+    parser.add_argument("--out", required=True, help="folder for JSON, logs and the PNG")
+    parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of traffic (default 120)")
+    parser.add_argument("--period-s", type=float, default=40.0, help="one burst per model every this (default 40)")
+    parser.add_argument("--burst-s", type=float, default=10.0, help="length of a burst (default 10)")
+    parser.add_argument("--burst-rate", type=float, default=24.0, help="requests/s in a burst (default 24)")
+    parser.add_argument("--idle-rate", type=float, default=0.5, help="requests/s between bursts (default 0.5)")
+    parser.add_argument("--slo-s", type=float, default=1.0, help="the TTFT objective (default 1 s)")
+    args = parser.parse_args()
+    for name in ("duration", "period_s", "burst_s", "burst_rate", "idle_rate", "slo_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.burst_s >= args.period_s:
+        parser.error("--burst-s must be shorter than --period-s")
+    os.makedirs(args.out, exist_ok=True)
+    if args.command == "compare":
+        harness.write(args.out, f"multimodel_x{args.models}", compare(args))
+        return 0
+    harness.TOTAL = harness.gpu_bytes((args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+    result = run_config(args)
+    harness.write(args.out, f"{args.command}_x{args.models}", result)
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
