@@ -10,11 +10,15 @@ mapped, and the free figure at the refusal (the driver's own reserve).
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 
 import torch
 
 import kvcached_core as kc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import write_report  # noqa: E402
 
 MiB = 1 << 20
 
@@ -56,11 +60,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     result = {"device": torch.cuda.get_device_name(0), "leave_mib": {m: probe(m) for m in (64, 512, 2048)}}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(write_report(result, args.out))
 
 
 if __name__ == "__main__":

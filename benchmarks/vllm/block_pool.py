@@ -11,9 +11,10 @@ only, as in EngineCore: the workers map). Prints JSON.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import platform
 import statistics
+import sys
 import time
 
 from vllm.v1.core import block_pool as vanilla_module
@@ -21,6 +22,9 @@ from vllm.v1.core import block_pool as vanilla_module
 from kvcached_core import KVCacheManager
 from kvcached_vllm import runtime
 from kvcached_vllm.block_pool import ElasticBlockPool
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import write_report  # noqa: E402
 
 NUM_BLOCKS = 8193
 
@@ -72,11 +76,7 @@ def main() -> None:
             counts[name].append(time_free_count(pool, 20000))
     results["get_num_free_blocks_us"] = {n: round(statistics.median(s), 3) for n, s in counts.items()}
     planner.close()
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(write_report(results, args.out))
 
 
 if __name__ == "__main__":

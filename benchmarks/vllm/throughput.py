@@ -20,6 +20,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "kvcached_vllm", "tests")
 EXAMPLE = os.path.join(REPO, "examples", "01_two_engines")
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from _common import write_report  # noqa: E402
 
 
 def run(model: str, enabled: bool, extra: list[str]) -> dict:
@@ -67,11 +69,7 @@ def main() -> None:
         "same_tokens": len({r["tokens_hash"] for r in runs}) == 1,
     }
     result["targets"] = {"throughput_ge_0_99x": result["throughput_ratio_with_over_without"] >= 0.99}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(write_report(result, args.out))
 
 
 if __name__ == "__main__":
