@@ -78,8 +78,11 @@ run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in th
   elif [ "$phase" = tests ]; then
     # Two runs: each test folder has its own conftest.
     (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_gpu.py" > "$out/pytest-core.log" 2>&1)
-    (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/kvcached_vllm/tests/test_gpu.py" > "$out/pytest-vllm.log" 2>&1)
-    echo "[tests] core: $(tail -1 "$out/pytest-core.log"); vllm: $(tail -1 "$out/pytest-vllm.log")"
+    # The engine's GPU tests: a real vLLM engine against vLLM without kvcached; SGLang's id transfers.
+    engine_tests="$repo/kvcached_vllm/tests/test_gpu.py"
+    [ "$engine" = sglang ] && engine_tests="$repo/kvcached_sglang/tests/test_device_ids.py"
+    (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$engine_tests" > "$out/pytest-$engine.log" 2>&1)
+    echo "[tests] core: $(tail -1 "$out/pytest-core.log"); $engine: $(tail -1 "$out/pytest-$engine.log")"
   else
     (cd /tmp && "$py" "$repo/benchmarks/gpu/$engine/suite.py" "$phase" --out "$out")
   fi

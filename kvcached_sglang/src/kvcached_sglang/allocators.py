@@ -6,11 +6,8 @@ mapped), frees go back to it (whole pages are unmapped after its delayed, fenced
 ``available_size()`` says what can really be mapped now (physical memory and ``kvctl limit``). SGLang's own
 index arithmetic (``alloc_extend``/``alloc_decode`` kernels) still runs, over exactly the pages taken.
 
-SGLang keeps its free list on the GPU so that its scheduler never waits for the GPU (it prepares the next
-batch while the current one runs). The ids kvcached hands out therefore travel host to device through a
-pinned buffer without a wait, and freed ids device to host the same way: each free is queued with an event
-and given to kvcached once the copy is done (at the next allocation or count; counted as available
-meanwhile, and waited for only when an allocation needs them).
+Ids cross between kvcached (host) and SGLang's tensors (device) without waiting for the GPU
+(:class:`~kvcached_sglang.device_ids.DeviceIds`), as SGLang's own free lists never do.
 
 A shortage is SGLang's normal ``None``; SGLang decides admission and retraction from ``available_size()``
 beforehand and treats a None after that check as fatal, so what the last ``available_size()`` reported is
@@ -22,7 +19,6 @@ that is not elastic (a layout kvcached does not cover) every method is SGLang's 
 from __future__ import annotations
 
 import inspect
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +29,8 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages
 
 from kvcached_core import KVCacheManager
-from kvcached_core.promise import SchedulerCount
+
+from .device_ids import DeviceIds
 
 
 class ElasticAllocatorMixin:
@@ -50,10 +47,8 @@ class ElasticAllocatorMixin:
         bound = inspect.signature(init).bind(*args, **kwargs)
         self._manager = getattr(bound.arguments["kvcache"], "kvcached_manager", None)
         self._empty = None
-        self._count = SchedulerCount(self._manager)  # pages SGLang's scheduler was last told are available
-        self._cuda = torch.device(bound.arguments["device"]).type == "cuda"
-        self._freeing: deque[tuple[Any, torch.Tensor]] = deque()  # (copy-done event, pinned host ids)
-        self._freeing_pages = 0
+        if self._manager is not None:
+            self._ids = DeviceIds(self._manager, bound.arguments["device"])
 
     @property
     def elastic(self) -> bool:
@@ -67,53 +62,13 @@ class ElasticAllocatorMixin:
 
     def _take(self, num_pages: int) -> torch.Tensor | None:
         """``num_pages`` page ids as a tensor on the pool's device, or None when they cannot be mapped now."""
-        if num_pages <= 0:
-            return self._no_pages()
-        self._settle_frees()
-        host = torch.empty(num_pages, dtype=torch.int64, pin_memory=self._cuda)
-        served = self._manager.alloc_into(num_pages, host.numpy())
-        if not served and self._freeing:  # what it needs may be in frees still on their way
-            self._settle_frees(wait=True)
-            served = self._manager.alloc_into(num_pages, host.numpy())
-        if served:
-            self._count.took(num_pages)
-        else:
-            ids = self._count.honour(num_pages, None)  # served anyway if the scheduler was promised them
-            if ids is None:
-                return None
-            host.copy_(torch.tensor(ids, dtype=torch.int64))
-        return host.to(self.device, non_blocking=True) if self._cuda else host
+        return self._ids.take(num_pages) if num_pages > 0 else self._no_pages()
 
     def _give(self, page_ids: torch.Tensor) -> None:
-        if not page_ids.numel():
-            return
-        ids = page_ids.reshape(-1)
-        if ids.dtype not in (torch.int32, torch.int64):
-            ids = ids.to(torch.int64)
-        if not ids.is_cuda:
-            self._manager.free_from(ids.contiguous().numpy())
-            return
-        host = torch.empty(ids.numel(), dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._freeing.append((done, host))
-        self._freeing_pages += host.numel()
-
-    def _settle_frees(self, wait: bool = False) -> None:
-        """Give kvcached the freed ids whose copy to the host is done (``wait``: all of them)."""
-        while self._freeing:
-            done, host = self._freeing[0]
-            if not wait and not done.query():
-                return
-            done.synchronize()
-            self._freeing.popleft()
-            self._freeing_pages -= host.numel()
-            self._manager.free_from(host.numpy())
+        self._ids.give(page_ids)
 
     def _elastic_available(self) -> int:
-        self._settle_frees()
-        return self._count.report(self._manager.available_size() + self._freeing_pages) * self.page_size
+        return self._ids.available() * self.page_size
 
     def logical_available_size(self) -> int:
         """Tokens not held by any request or cache entry, whether or not memory is mapped for them.
@@ -121,14 +76,13 @@ class ElasticAllocatorMixin:
         SGLang's idle leak check compares this figure (not the physical ``available_size()``) with its pool
         size: another engine holding memory is not a leak.
         """
-        self._settle_frees(wait=True)
+        self._ids.settle(wait=True)
         return self.size - self._manager.snapshot()["allocated_blocks"] * self.page_size  # null block not counted
 
     def _clear_elastic(self) -> None:
         """After SGLang's own ``clear()`` (which resets its free-group state in every release): nothing is
         held in kvcached, and SGLang's free list stays empty (kvcached is the free list)."""
-        self._freeing.clear()  # their blocks are among those clear() frees
-        self._freeing_pages = 0
+        self._ids.forget()  # ids still on their way back are among those clear() frees
         self._manager.clear()
         self.free_pages = self._no_pages()
 
@@ -303,30 +257,31 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
     """SGLang's Mamba slot allocator over an elastic Mamba pool: slots come from the pool's kvcached manager.
 
     Installed in place of ``HybridReqToTokenPool.mamba_allocator`` right after SGLang builds it (SGLang
-    constructs it without the pool). Slots are per request and few, so the held set is kept here too: it
-    gives SGLang's diagnostics their ``free_slots`` and the idle check its logical free count.
+    constructs it without the pool). Slots are per request and few, so the held set is kept too: it gives
+    SGLang's diagnostics their ``free_slots`` and the idle check its logical free count.
     """
 
     def __init__(self, manager: KVCacheManager, size: int, device: str) -> None:
         self._manager = manager
-        self._held: set[int] = set()
-        self._count = SchedulerCount(manager)  # slots SGLang's scheduler was last told are available
+        self._ids = DeviceIds(manager, device, track_held=True)
         super().__init__(size=size, device=device)
 
     elastic = True
 
     def available_size(self) -> int:
         """Slots the scheduler may plan on (what kvcached can serve now)."""
-        return self._count.report(self._manager.available_size())
+        return self._ids.available()
 
     def logical_available_size(self) -> int:
         """Slots no request or cache entry holds, mapped or not."""
-        return self.size - len(self._held)
+        self._ids.settle(wait=True)
+        return self.size - len(self._ids.held)
 
     @property
     def free_slots(self) -> torch.Tensor:
         """The slots no request holds, as SGLang's diagnostics read them."""
-        free = sorted(set(range(1, self.size + 1)) - self._held)
+        self._ids.settle(wait=True)
+        free = sorted(set(range(1, self.size + 1)) - self._ids.held)
         return torch.tensor(free, dtype=torch.int64, device=self.device)
 
     @free_slots.setter
@@ -334,26 +289,17 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
         pass  # SGLang's clear() assigns the full range: the manager is the free list here
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
-        ids = self._count.honour(need_size, self._manager.alloc(need_size))
-        if ids is None:
-            return None
-        self._held.update(ids)
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return self._ids.take(need_size)
 
     def free(self, free_index: torch.Tensor) -> None:
         """Gives these slots back to kvcached."""
-        if free_index.numel() == 0:
-            return
-        ids = free_index.tolist()
-        self._manager.free(ids)
-        self._held.difference_update(ids)
+        self._ids.give(free_index)
 
     def clear(self) -> None:
         """SGLang resets the allocator: every held slot goes back to kvcached."""
         super().clear()
-        if self._held:
-            self._manager.clear()
-            self._held.clear()
+        self._ids.forget()
+        self._manager.clear()
 
 
 def use_elastic_mamba_allocator(_result: Any, req_pool: Any, *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,101 @@
+"""Block ids between a kvcached manager and tensors on SGLang's device, without ever waiting for the GPU.
+
+SGLang keeps its free lists on the GPU so that its scheduler never waits for the GPU: it prepares the next
+batch while the current one runs. kvcached's free list is on the host, so ids must cross; a plain
+``torch.tensor(ids, device=...)`` or ``ids.tolist()`` would wait for the stream each time (and turn every id
+into a Python int). Here taken ids are written by kvcached straight into a pinned buffer and copied without
+a wait; given ids are copied into a pinned buffer behind an event and handed to kvcached once the copy is
+done, at the next take or count (counted as available meanwhile, waited for only when a take needs them).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from kvcached_core import KVCacheManager
+from kvcached_core.promise import SchedulerCount
+
+
+class DeviceIds:
+    """Takes ids from ``manager`` as tensors on ``device`` and gives back ids held in tensors there.
+
+    ``track_held`` keeps the set of ids held (for allocators whose diagnostics list free ids).
+    """
+
+    def __init__(self, manager: KVCacheManager, device: str, *, track_held: bool = False) -> None:
+        self.manager = manager
+        self.device = device
+        self.count = SchedulerCount(manager)  # what the scheduler was last told is available
+        self.held: set[int] | None = set() if track_held else None
+        self._cuda = torch.device(device).type == "cuda"
+        self._freeing: deque[tuple[Any, torch.Tensor]] = deque()  # (copy-done event, pinned host ids)
+        self.pending = 0  # ids given back whose copy to the host has not been handed to kvcached yet
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """``n`` ids as an int64 tensor on the device, or None when kvcached cannot serve them now (and the
+        scheduler was not promised them: :class:`SchedulerCount`)."""
+        self.settle()
+        host = torch.empty(n, dtype=torch.int64, pin_memory=self._cuda)
+        served = self.manager.alloc_into(n, host.numpy())
+        if not served and self._freeing:  # what it needs may be in frees still on their way
+            self.settle(wait=True)
+            served = self.manager.alloc_into(n, host.numpy())
+        if served:
+            self.count.took(n)
+        else:
+            ids = self.count.honour(n, None)
+            if ids is None:
+                return None
+            host.copy_(torch.tensor(ids, dtype=torch.int64))
+        if self.held is not None:
+            self.held.update(host.tolist())  # host memory: no wait
+        return host.to(self.device, non_blocking=True) if self._cuda else host
+
+    def give(self, ids: torch.Tensor) -> None:
+        """Give back the ids in ``ids`` (any shape, int32 or int64, on the device or the host)."""
+        if not ids.numel():
+            return
+        flat = ids.reshape(-1)
+        if flat.dtype not in (torch.int32, torch.int64):
+            flat = flat.to(torch.int64)
+        if not flat.is_cuda:
+            self._free(flat.contiguous())
+            return
+        host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._freeing.append((done, host))
+        self.pending += host.numel()
+
+    def settle(self, wait: bool = False) -> None:
+        """Hand kvcached the given ids whose copy to the host is done (``wait``: all of them)."""
+        while self._freeing:
+            done, host = self._freeing[0]
+            if not wait and not done.query():
+                return
+            done.synchronize()
+            self._freeing.popleft()
+            self.pending -= host.numel()
+            self._free(host)
+
+    def available(self) -> int:
+        """Ids the scheduler may plan on: what kvcached can serve now plus what is on its way back (recorded
+        as the scheduler's count)."""
+        self.settle()
+        return self.count.report(self.manager.available_size() + self.pending)
+
+    def forget(self) -> None:
+        """After the manager's ``clear()``: nothing is held, and gives still on their way are void."""
+        self._freeing.clear()
+        self.pending = 0
+        if self.held is not None:
+            self.held.clear()
+
+    def _free(self, host: torch.Tensor) -> None:
+        self.manager.free_from(host.numpy())
+        if self.held is not None:
+            self.held.difference_update(host.tolist())
