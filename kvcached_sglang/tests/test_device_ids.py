@@ -9,13 +9,16 @@ import time
 import pytest
 import torch
 
-from kvcached_core import KVCacheManager
+from kvcached_core import KVCacheManager, load_settings
 from kvcached_sglang.device_ids import DeviceIds
 
 
 @pytest.fixture
 def manager():
-    mgr = KVCacheManager(64, 64 * 1024, 1, 2, device="cpu", name="device-ids")
+    """64 blocks with no host budget: what they can serve does not depend on what other tests hold."""
+    mgr = KVCacheManager(
+        64, 64 * 1024, 1, 2, device="cpu", name="device-ids", settings=load_settings(host_device_bytes=0)
+    )
     yield mgr
     mgr.close()
 
