@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -173,11 +172,6 @@ def run_config(args: argparse.Namespace) -> dict:
     return result
 
 
-def pct(values: list[float], q: int) -> float | None:
-    """The q-th percentile (None for fewer than two values)."""
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
-
-
 def model_stats(records: list[dict], model: int, slo_s: float, duration: float) -> dict:
     """TTFT/TPOT p50/p99, SLO attainment and throughput of one model's requests."""
     mine = [r for r in records if r["model"] == model]
@@ -186,10 +180,10 @@ def model_stats(records: list[dict], model: int, slo_s: float, duration: float) 
     return {
         "requests": len(mine),
         "failed": len(mine) - len(ok),
-        "ttft_p50": pct(ttft, 50),
-        "ttft_p99": pct(ttft, 99),
-        "tpot_p50": pct([r["tpot"] for r in ok], 50),
-        "tpot_p99": pct([r["tpot"] for r in ok], 99),
+        "ttft_p50": harness.pct(ttft, 50),
+        "ttft_p99": harness.pct(ttft, 99),
+        "tpot_p50": harness.pct([r["tpot"] for r in ok], 50),
+        "tpot_p99": harness.pct([r["tpot"] for r in ok], 99),
         "slo_attainment": sum(t <= slo_s for t in ttft) / len(mine) if mine else None,
         "requests_per_s": len(ok) / max(duration, max((r["end_s"] for r in ok), default=duration)),
     }

@@ -381,6 +381,11 @@ async def one_request(session, port: int, name: str, prompt: list[int], max_toke
     return {"ok": True, "ttft": first - sent, "tpot": (last - first) / max(1, tokens - 1), "end": time.perf_counter()}
 
 
+def pct(values: list[float], q: int) -> float | None:
+    """The q-th percentile (None for fewer than two values)."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
+
+
 async def open_loop(port: int, name: str, prompts: list[list[int]], rate: float, max_tokens: int) -> dict:
     """Poisson arrivals at ``rate`` requests/s (inf: all at once), every request streamed."""
     import aiohttp
@@ -397,10 +402,6 @@ async def open_loop(port: int, name: str, prompts: list[list[int]], rate: float,
         results = await asyncio.gather(*tasks)
     ok = [r for r in results if r["ok"]]
     elapsed = max((r["end"] for r in ok), default=begin) - begin
-
-    def pct(values: list[float], q: float) -> float | None:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
-
     ttft, tpot = [r["ttft"] for r in ok], [r["tpot"] for r in ok]
     return {
         "rate": rate if rate != float("inf") else "inf",
