@@ -151,7 +151,7 @@ def run_config(args: argparse.Namespace) -> dict:
     }
     harness.wait_for_empty_gpus()
     servers: list[harness.Server] = []
-    try:
+    with harness.serving(servers, result):  # the list grows inside: every server started is stopped
         for i, (shape, path) in enumerate(zip(shapes, paths, strict=True)):
             servers.append(harness.Server(shape.name, 8500 + i, path, elastic, args.out, extra, args.gpu))
             if not elastic:  # a static slice is checked against free memory at start: one at a time
@@ -164,11 +164,6 @@ def run_config(args: argparse.Namespace) -> dict:
             result["kv_samples"] = sampler.stop()
         result["requests"] = records
         result["preemptions"] = {s.name: s.metric("vllm:num_preemptions") for s in servers}
-    except RuntimeError as exc:
-        result["error"] = str(exc)
-    finally:
-        for s in servers:
-            s.stop()
     return result
 
 

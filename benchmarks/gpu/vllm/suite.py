@@ -46,6 +46,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -344,6 +346,19 @@ class Server:
                 self.proc.wait()
 
 
+@contextmanager
+def serving(servers: list[Server], result: dict, key: str = "error") -> Iterator[None]:
+    """The body runs with ``servers`` up; a RuntimeError from it (an engine that exited, a start-up that
+    timed out) is recorded as ``result[key]`` instead of ending the phase, and every server is stopped."""
+    try:
+        yield
+    except RuntimeError as exc:
+        result[key] = str(exc)
+    finally:
+        for server in servers:
+            server.stop()
+
+
 async def one_request(session, port: int, name: str, prompt: list[int], max_tokens: int) -> dict:
     body = {
         "model": name,
@@ -432,7 +447,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
     for side in ("vanilla", "kvcached"):
         wait_for_empty_gpus()
         server = args.server(f"serve-{side}", 8100, args.model, side == "kvcached", args.out, [], args.gpu)
-        try:
+        with serving([server], result, f"error_{side}"):
             result[f"startup_s_{side}"] = server.wait_ready()
             log(f"serve {side} up")
             asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
@@ -445,10 +460,6 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 if side == "kvcached":  # pages mapped and unmapped during this rate: the churn
                     stats["driver_calls"] = {k: after[k] - before[k] for k in after}
                 result["rates"].setdefault(key, {})[side] = stats
-        except RuntimeError as exc:
-            result[f"error_{side}"] = str(exc)
-        finally:
-            server.stop()
     for sides in result["rates"].values():
         if "vanilla" in sides and "kvcached" in sides:
             v, k = sides["vanilla"], sides["kvcached"]
@@ -471,7 +482,7 @@ def phase_burst(args: argparse.Namespace) -> dict:
         wait_for_empty_gpus()
         server = args.server(f"burst-{label}", 8150, args.model, kvcached, args.out, [], args.gpu, env)
         runs: dict = {}
-        try:
+        with serving([server], runs):
             runs["startup_s"] = server.wait_ready()
             asyncio.run(open_loop(8150, server.name, token_prompts(8, 512, 1), float("inf"), 4))  # warm
             runs["bursts"] = []
@@ -483,10 +494,6 @@ def phase_burst(args: argparse.Namespace) -> dict:
                 stats["driver_calls"] = {k: after[k] - before[k] for k in after}
                 runs["bursts"].append(stats)
                 log(f"burst {label} {i}: ttft p50 {stats['ttft_p50']} maps {stats['driver_calls']}")
-        except RuntimeError as exc:
-            runs["error"] = str(exc)
-        finally:
-            server.stop()
         result["servers"][label] = runs
         write(args.out, "burst", result)
     medians = {
@@ -581,7 +588,7 @@ def share_bursts(args: argparse.Namespace, engines: list[Engine], title: str, pn
         e.server(e.name, 8200 + i, args.model, True, args.out, e.extra, args.gpu, e.env) for i, e in enumerate(engines)
     ]
     result: dict = {"engines": names, "bursts": [], "gpu_bytes": TOTAL}
-    try:
+    with serving(servers, result):
         result["startup_s"] = {s.name: s.wait_ready() for s in servers}  # started at the same moment
         result["virtual_kv_bytes"] = {n: sum(p["virtual_bytes"] for p in pools_of(n)) for n in names}
         log(f"share x{count}: all up {result['startup_s']}")
@@ -627,11 +634,6 @@ def share_bursts(args: argparse.Namespace, engines: list[Engine], title: str, pn
         result["sum_of_peaks_over_gpu"] = sum(b["peak_bytes"] for b in result["bursts"][:count]) / TOTAL
         result["gave_back_log"] = [line for s in servers for line in s.tail_lines() if "gave back" in line]
         plot(samples, names, result["bursts"], os.path.join(args.out, png), title)
-    except RuntimeError as exc:
-        result["error"] = str(exc)
-    finally:
-        for s in servers:
-            s.stop()
     return result
 
 
@@ -692,7 +694,7 @@ def phase_limit(args: argparse.Namespace) -> dict:
     wait_for_empty_gpus()
     server = Server(name, 8300, args.model, True, args.out, ["--max-num-seqs", "256"], args.gpu)
     result: dict = {}
-    try:
+    with serving([server], result):
         result["startup_s"] = server.wait_ready()
         sampler = Sampler([name])
         cap = 8 * GiB
@@ -726,10 +728,6 @@ def phase_limit(args: argparse.Namespace) -> dict:
                 "samples": samples[::4],
             }
         )
-    except RuntimeError as exc:
-        result["error"] = str(exc)
-    finally:
-        server.stop()
     return result
 
 
