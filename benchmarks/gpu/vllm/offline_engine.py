@@ -44,12 +44,16 @@ def pools(engine: str = "vllm") -> list[dict]:
     return control.instances(engine=engine)
 
 
-def kv_activity(engine: str) -> dict[str, int]:
-    """This engine's kvcached driver activity so far, summed over its pools: map and unmap calls, mapped bytes
-    (all zero without kvcached)."""
+def kv_activity(*, engine: str | None = None, name: str | None = None) -> dict[str, int]:
+    """kvcached's driver activity so far, summed over the live pools of ``engine`` (or of instance ``name``):
+    map and unmap calls, mapped bytes (all zero without kvcached)."""
     from kvcached_core import control
 
-    segments = [s for s in control.scan_segments(control.settings_for()).live if s.info["engine"] == engine]
+    segments = [
+        s
+        for s in control.scan_segments(control.settings_for()).live
+        if engine in (None, s.info["engine"]) and name in (None, s.info["name"])
+    ]
     return {
         "page_maps": sum(s.info["counters"]["page_maps_total"] for s in segments),
         "page_unmaps": sum(s.info["counters"]["page_unmaps_total"] for s in segments),
@@ -70,11 +74,11 @@ def timed_batches(
     generate(batch[:64])
     seconds, activity, generated = [], [], 0
     for _ in range(repeats):
-        before = kv_activity(engine)
+        before = kv_activity(engine=engine)
         begin = time.monotonic()
         generated = generate(batch)
         seconds.append(time.monotonic() - begin)
-        after = kv_activity(engine)
+        after = kv_activity(engine=engine)
         activity.append(
             {k: after[k] - before[k] for k in ("page_maps", "page_unmaps")}
             | {"mapped_bytes_after": after["mapped_bytes"]}

@@ -50,6 +50,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from offline_engine import kv_activity  # this folder (sys.path[0], or put first by the SGLang harness)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 GiB = 1 << 30
@@ -538,15 +540,9 @@ class Sampler:
 
 
 def driver_calls(name: str) -> dict[str, int]:
-    """Map and unmap calls kvcached made for instance ``name`` so far (from its control segments)."""
-    from kvcached_core import load_settings, segment
-
-    totals = {"page_maps_total": 0, "page_unmaps_total": 0}
-    for seg in segment.scan(segment.segment_dir(load_settings())).live:
-        if seg.info["name"] == name:
-            for key in totals:
-                totals[key] += seg.info["counters"][key]
-    return totals
+    """Map and unmap calls kvcached made for instance ``name`` so far, keyed as its counters."""
+    activity = kv_activity(name=name)
+    return {"page_maps_total": activity["page_maps"], "page_unmaps_total": activity["page_unmaps"]}
 
 
 def pools_of(name: str) -> list[dict]:
