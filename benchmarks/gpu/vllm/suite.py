@@ -10,8 +10,9 @@ Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 - ``growth-cost``: four fresh engines (vanilla, kvcached, kvcached with 32 MiB pages, kvcached keeping its KV
   mapped between batches): what growing the KV from empty costs a batch, and what is left.
 - ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
-- ``serve``: one ``vllm serve`` without, then one with kvcached; an open-loop client (Poisson arrivals,
-  streaming) at three request rates up to saturation: TTFT and TPOT p50/p99, request throughput, failures.
+- ``serve``: one ``vllm serve`` without kvcached, one with it, one with it and 32 MiB pages; an open-loop
+  client (Poisson arrivals, streaming) at three request rates up to saturation: TTFT and TPOT p50/p99,
+  request throughput, failures, and kvcached's map/unmap calls per rate.
 - ``burst``: a burst of 64 prompts of 2048 tokens arriving at an idle server (without kvcached, with it, with
   it and 32 MiB pages): TTFT while the KV cache grows, and kvcached's map calls.
 - ``share`` / ``share3``: two (three) engines started at the same moment on one GPU, each sized with
@@ -443,12 +444,23 @@ def token_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(n)]
 
 
+# The server sides of ``serve`` and ``burst``: without kvcached, with it (default pages), with 32 MiB pages.
+SERVER_SIDES = [
+    ("vanilla", False, None),
+    ("kvcached", True, None),
+    ("kvcached-32M", True, {"KVCACHED_PAGE_BYTES": "32M"}),
+]
+
+
 def phase_serve(args: argparse.Namespace) -> dict:
+    """Serving latency: one server per side of :data:`SERVER_SIDES`, one after the other, each warmed up, then
+    the open-loop client at 16/s, 64/s and all at once (512-token prompts, 128 generated). Each kvcached side
+    gets the ratio of every TTFT/TPOT percentile to vanilla's and its map/unmap calls per rate (the churn)."""
     rates = [(16.0, 240), (64.0, 480), (float("inf"), 480)]
     result: dict = {"input_len": 512, "output_len": 128, "rates": {}}
-    for side in ("vanilla", "kvcached"):
+    for side, kvcached, env in SERVER_SIDES:
         wait_for_empty_gpus()
-        server = args.server(f"serve-{side}", 8100, args.model, side == "kvcached", args.out, [], args.gpu)
+        server = args.server(f"serve-{side}", 8100, args.model, kvcached, args.out, [], args.gpu, env)
         with serving([server], result, f"error_{side}"):
             result[f"startup_s_{side}"] = server.wait_ready()
             log(f"serve {side} up")
@@ -459,16 +471,17 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 before = driver_calls(server.name)
                 stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, 2), rate, 128))
                 after = driver_calls(server.name)
-                if side == "kvcached":  # pages mapped and unmapped during this rate: the churn
+                if kvcached:
                     stats["driver_calls"] = {k: after[k] - before[k] for k in after}
                 result["rates"].setdefault(key, {})[side] = stats
+        write(args.out, "serve", result)
+    metrics = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
     for sides in result["rates"].values():
-        if "vanilla" in sides and "kvcached" in sides:
-            v, k = sides["vanilla"], sides["kvcached"]
-            sides["ratio"] = {
-                m: (k[m] / v[m] if v.get(m) and k.get(m) else None)
-                for m in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
-            }
+        v = sides.get("vanilla", {})
+        for side, kvcached, _ in SERVER_SIDES:
+            k = sides.get(side)
+            if kvcached and k:
+                sides[f"ratio_{side}"] = {m: (k[m] / v[m] if v.get(m) and k.get(m) else None) for m in metrics}
     return result
 
 
@@ -478,9 +491,8 @@ def phase_burst(args: argparse.Namespace) -> dict:
     up, then three bursts of 64 prompts of 2048 tokens sent at once (16 generated), each after 5 s of idle
     (two reclaim windows: the previous burst's KV was given back). TTFT p50/p99 per burst, the median burst
     of each server against vanilla's, and kvcached's map calls per burst."""
-    sides = [("vanilla", False, None), ("kvcached", True, None), ("kvcached-32M", True, {"KVCACHED_PAGE_BYTES": "32M"})]
     result: dict = {"prompts": 64, "input_len": 2048, "output_len": 16, "idle_s": 5, "servers": {}}
-    for label, kvcached, env in sides:
+    for label, kvcached, env in SERVER_SIDES:
         wait_for_empty_gpus()
         server = args.server(f"burst-{label}", 8150, args.model, kvcached, args.out, [], args.gpu, env)
         runs: dict = {}
