@@ -20,8 +20,18 @@ MiB = 1024 * 1024
 
 @pytest.fixture
 def cuda_manager(make_manager):
-    """make_manager on the GPU (close() fences outstanding GPU work before it unmaps)."""
-    return functools.partial(make_manager, device="cuda:0", num_blocks=4096)
+    """make_manager on the GPU (close() fences outstanding GPU work before it unmaps), with 2 MiB pages: the
+    tests count pages and handles at the driver's granule, whatever size the default would pick."""
+    return functools.partial(make_manager, device="cuda:0", num_blocks=4096, page_bytes=2 * MiB)
+
+
+def test_large_cuda_buffers_get_large_pages_by_default(make_manager):
+    big = make_manager(device="cuda:0", num_blocks=1 << 15, block_bytes=64 * 1024, num_layers=1)  # 2 GiB a buffer
+    small = make_manager(device="cuda:0", num_blocks=1024, block_bytes=64 * 1024, num_layers=1)  # 64 MiB
+    assert (big.page_bytes, small.page_bytes) == (32 * MiB, 2 * MiB)
+    ids = big.alloc(1)
+    assert big.snapshot()["mapped_bytes"] == 32 * MiB * big.num_buffers
+    big.free(ids)
 
 
 def test_map_write_read_unmap(cuda_manager):

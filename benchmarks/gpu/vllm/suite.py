@@ -7,14 +7,14 @@ Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 - ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
   tokens of 256 prompts with prefix caching off and on (must be identical), then timed batches (offline
   throughput ratio, two pairs, each engine's median of three).
-- ``growth-cost``: four fresh engines (vanilla, kvcached, kvcached with 32 MiB pages, kvcached keeping its KV
+- ``growth-cost``: four fresh engines (vanilla, kvcached, kvcached with 2 MiB pages, kvcached keeping its KV
   mapped between batches): what growing the KV from empty costs a batch, and what is left.
 - ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
-- ``serve``: one ``vllm serve`` without kvcached, one with it, one with it and 32 MiB pages; an open-loop
+- ``serve``: one ``vllm serve`` without kvcached, one with it, one with it and 2 MiB pages; an open-loop
   client (Poisson arrivals, streaming) at three request rates up to saturation: TTFT and TPOT p50/p99,
   request throughput, failures, and kvcached's map/unmap calls per rate.
 - ``burst``: a burst of 64 prompts of 2048 tokens arriving at an idle server (without kvcached, with it, with
-  it and 32 MiB pages): TTFT while the KV cache grows, and kvcached's map calls.
+  it and 2 MiB pages): TTFT while the KV cache grows, and kvcached's map calls.
 - ``share`` / ``share3``: two (three) engines started at the same moment on one GPU, each sized with
   ``--gpu-memory-utilization`` to a virtual KV capacity close to the whole GPU; bursts to each in turn;
   every engine's mapped KV memory sampled every 50 ms (PNG). Reports each burst's peak against the first
@@ -178,18 +178,18 @@ def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
 
 
 def phase_growth_cost(args: argparse.Namespace) -> dict:
-    """Where kvcached's offline throughput goes: four fresh engines, prefix caching off: vanilla; kvcached;
-    kvcached with 32 MiB pages (``KVCACHED_PAGE_BYTES``: 16x fewer driver calls to grow); kvcached with
-    ``KVCACHED_RECLAIM_DELAY_MS`` of 10 minutes, so the KV mapped by the first batch stays for the next ones.
-    The gap between the first and last kvcached figures is what growing the KV from empty costs per batch;
-    the rest is kvcached's cost with the memory already mapped. Greedy tokens of 32 prompts are compared
-    with vanilla's."""
+    """Where kvcached's offline throughput goes: four fresh engines, prefix caching off: vanilla; kvcached
+    (default pages); kvcached with 2 MiB pages (``KVCACHED_PAGE_BYTES``: up to 16x more driver calls to grow);
+    kvcached with ``KVCACHED_RECLAIM_DELAY_MS`` of 10 minutes, so the KV mapped by the first batch stays for
+    the next ones. The gap between the kvcached and kept figures is what growing the KV from empty costs a
+    batch; the rest is kvcached's cost with the memory already mapped. Greedy tokens of 32 prompts are
+    compared with vanilla's."""
     logfile = os.path.join(args.out, "growth_cost.log")
     extra = ["--identity-prompts", "32"]
     sides = [
         ("vanilla", False, None),
         ("kvcached", True, None),
-        ("kvcached-32M", True, {"KVCACHED_PAGE_BYTES": "32M"}),
+        ("kvcached-2M", True, {"KVCACHED_PAGE_BYTES": "2M"}),
         ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
     ]
     result: dict = {}
@@ -444,11 +444,12 @@ def token_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(n)]
 
 
-# The server sides of ``serve`` and ``burst``: without kvcached, with it (default pages), with 32 MiB pages.
+# The server sides of ``serve`` and ``burst``: without kvcached, with it (its default pages: 32 MiB for this
+# model's 4 GiB buffers on an H200), with it and 2 MiB pages (the finest; the default before run 6).
 SERVER_SIDES = [
     ("vanilla", False, None),
     ("kvcached", True, None),
-    ("kvcached-32M", True, {"KVCACHED_PAGE_BYTES": "32M"}),
+    ("kvcached-2M", True, {"KVCACHED_PAGE_BYTES": "2M"}),
 ]
 
 
@@ -487,7 +488,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
 
 def phase_burst(args: argparse.Namespace) -> dict:
     """A burst of long prompts arriving at an idle engine: the first token waits for the KV cache to grow.
-    Three servers one after the other (without kvcached; kvcached; kvcached with 32 MiB pages), each warmed
+    Three servers one after the other (without kvcached; kvcached; kvcached with 2 MiB pages), each warmed
     up, then three bursts of 64 prompts of 2048 tokens sent at once (16 generated), each after 5 s of idle
     (two reclaim windows: the previous burst's KV was given back). TTFT p50/p99 per burst, the median burst
     of each server against vanilla's, and kvcached's map calls per burst."""

@@ -96,6 +96,14 @@ def per_tensor_geometry(config: Any, physical_page: int) -> tuple[Geometry | Non
     return Geometry(blocks, size // blocks, len(tensors), size, len(tensors)), ""
 
 
+def buffer_bytes(config: Any) -> int:
+    """Bytes of one kvcached buffer of ``config``: a layer region (layer-outer: blocks x block stride) or a
+    whole backing tensor (one per layer, or one block-outer backing), whatever the release's layout."""
+    tensor = config.kv_cache_tensors[0]
+    stride = getattr(tensor, "block_stride", 0)
+    return config.num_blocks * stride if stride else tensor.size
+
+
 @dataclass(frozen=True)
 class BackingRule:
     """How one range of vLLM releases lays out the KV backing: its geometry and block-count alignment."""
@@ -150,7 +158,7 @@ def elastic_kv_cache_configs(
     configs = original(vllm_config, specs, available)
     if not configs or not configs[0].kv_cache_tensors:
         return configs
-    physical_page = page_bytes_for()
+    physical_page = page_bytes_for(device=planner_device(vllm_config), buffer_bytes=buffer_bytes(configs[0]))
     aligned = rule.aligned_num_blocks(configs[0], physical_page)
     if aligned is not None:
         per_block = configs[0].kv_cache_tensors[0].size // configs[0].num_blocks
@@ -172,6 +180,7 @@ def elastic_kv_cache_configs(
         name=instance_name(vllm_config),
         engine="vllm",
         reserve_null_block=True,
+        page_bytes=physical_page,  # the page the block count was aligned to
         mapped_by_workers=not direct,
     )
     runtime.add_planner(geo.num_blocks, planner)
