@@ -188,9 +188,9 @@ def phase_growth_cost(args: argparse.Namespace) -> dict:
     extra = ["--identity-prompts", "32"]
     sides = [
         ("vanilla", False, None),
+        ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
         ("kvcached", True, None),
         ("kvcached-2M", True, {"KVCACHED_PAGE_BYTES": "2M"}),
-        ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
     ]
     result: dict = {}
     vanilla: dict = {}
