@@ -28,9 +28,11 @@ GPU = ("--gpu", "--num-prompts", "64", "--max-tokens", "64", "--max-num-seqs", "
 
 @pytest.fixture(scope="module")
 def runs(tiny_model) -> dict[str, dict]:
-    # One after the other: each sizes its KV cache from the GPU's free memory.
-    vanilla = finish(start_engine(tiny_model, *GPU, "--name", "gpu-vanilla", env={"KVCACHED_ENABLE": "0"}))
-    elastic = finish(start_engine(tiny_model, *GPU, "--prefix-caching", "--name", "gpu-elastic", "--watch-idle", "2"))
+    # One after the other: each sizes its KV cache from the GPU's free memory. Both with prefix caching: a
+    # prefix hit skips recomputing the prefix, which changes bf16 rounding, so only like compares with like.
+    both = (*GPU, "--prefix-caching")
+    vanilla = finish(start_engine(tiny_model, *both, "--name", "gpu-vanilla", env={"KVCACHED_ENABLE": "0"}))
+    elastic = finish(start_engine(tiny_model, *both, "--name", "gpu-elastic", "--watch-idle", "2"))
     return {"vanilla": vanilla, "elastic": elastic}
 
 
@@ -44,7 +46,9 @@ def test_the_kv_cache_is_elastic_on_the_gpu(runs):
     [pool] = runs["elastic"]["pools_at_start"]
     assert pool["device"] == "cuda:0" and pool["pool_name"] == "mha"
     assert pool["virtual_bytes"] >= 1 << 30  # sized from gpu_memory_utilization: most of half a GPU
-    assert pool["mapped_bytes"] <= 64 << 20  # mapped at start: the null block's page (and the reserve)
+    # Mapped at start: the null block's page in each buffer, which the default page size keeps within 1/64
+    # of the pool (kvcached_core.manager.page_bytes_for).
+    assert 0 < pool["mapped_bytes"] <= pool["virtual_bytes"] // 64
     assert "mapped in this process" in runs["elastic"]["log"]  # the direct path
     peak = max(s["mapped"] for s in runs["elastic"]["samples"])
     assert peak > pool["mapped_bytes"], "serving mapped nothing"

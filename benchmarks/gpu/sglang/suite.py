@@ -7,8 +7,8 @@ The vLLM harness's phases (``benchmarks/gpu/vllm/suite.py``) with SGLang in plac
 - ``offline``: fresh ``sglang.Engine`` processes alternating without/with kvcached (``KVCACHED_ENABLE=0/1``):
   greedy tokens of 256 prompts with the radix cache off and on (must be identical), and each engine's median
   of three timed batches (offline throughput ratio); ``offline.json`` is rewritten after every engine.
-- ``growth-cost``: vanilla, kvcached, kvcached with 2 MiB pages, and kvcached keeping its KV mapped between
-  batches: what growing the KV from empty costs a batch (the vLLM harness's phase).
+- ``growth-cost``: vanilla, kvcached keeping its KV mapped between batches, kvcached, kvcached with 2 MiB
+  pages, vanilla again: what growing the KV from empty costs a batch (the vLLM harness's phase).
 - ``serve``: one ``python -m sglang.launch_server`` without kvcached, with it, with it and 2 MiB pages; the
   open-loop streaming client at 16 and 64 requests/s and at saturation: TTFT and TPOT p50/p99, and
   kvcached's map and unmap calls per rate.

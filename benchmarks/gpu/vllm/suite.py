@@ -7,8 +7,9 @@ Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 - ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
   tokens of 256 prompts with prefix caching off and on (must be identical), then timed batches (offline
   throughput ratio, two pairs, each engine's median of three).
-- ``growth-cost``: four fresh engines (vanilla, kvcached, kvcached with 2 MiB pages, kvcached keeping its KV
-  mapped between batches): what growing the KV from empty costs a batch, and what is left.
+- ``growth-cost``: five fresh engines (vanilla, kvcached keeping its KV mapped between batches, kvcached,
+  kvcached with 2 MiB pages, vanilla again as the control): what growing the KV from empty costs a batch,
+  what is left, and how far two vanilla engines differ.
 - ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
 - ``serve``: one ``vllm serve`` without kvcached, one with it, one with it and 2 MiB pages; an open-loop
   client (Poisson arrivals, streaming) at three request rates up to saturation: TTFT and TPOT p50/p99,
@@ -178,12 +179,13 @@ def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
 
 
 def phase_growth_cost(args: argparse.Namespace) -> dict:
-    """Where kvcached's offline throughput goes: four fresh engines, prefix caching off: vanilla; kvcached
-    (default pages); kvcached with 2 MiB pages (``KVCACHED_PAGE_BYTES``: up to 16x more driver calls to grow);
-    kvcached with ``KVCACHED_RECLAIM_DELAY_MS`` of 10 minutes, so the KV mapped by the first batch stays for
-    the next ones. The gap between the kvcached and kept figures is what growing the KV from empty costs a
-    batch; the rest is kvcached's cost with the memory already mapped. Greedy tokens of 32 prompts are
-    compared with vanilla's."""
+    """Where kvcached's offline throughput goes: five fresh engines, prefix caching off: vanilla; kvcached with
+    ``KVCACHED_RECLAIM_DELAY_MS`` of 10 minutes, so the KV mapped by the first batch stays for the next ones;
+    kvcached (default pages); kvcached with 2 MiB pages (``KVCACHED_PAGE_BYTES``: up to 16x more driver calls
+    to grow); vanilla again, the control: how far two vanilla engines differ in throughput and greedy tokens.
+    The gap between the kvcached and kept figures is what growing the KV from empty costs a batch; the rest
+    is kvcached's cost with the memory already mapped. Greedy tokens of 32 prompts are compared with the
+    first vanilla engine's."""
     logfile = os.path.join(args.out, "growth_cost.log")
     extra = ["--identity-prompts", "32"]
     sides = [
@@ -191,6 +193,7 @@ def phase_growth_cost(args: argparse.Namespace) -> dict:
         ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
         ("kvcached", True, None),
         ("kvcached-2M", True, {"KVCACHED_PAGE_BYTES": "2M"}),
+        ("vanilla-again", False, None),
     ]
     result: dict = {}
     vanilla: dict = {}
@@ -202,12 +205,10 @@ def phase_growth_cost(args: argparse.Namespace) -> dict:
             vanilla = run
         elif "tokens" in vanilla and "tokens" in run:
             result[label]["identity"] = identity(vanilla, run)  # greedy tokens of 32 prompts against vanilla
-        write(args.out, "growth_cost", result)
-    base = result.get("vanilla", {}).get("output_tokens_per_s")
-    for label in ("kvcached", "kvcached-kept"):
-        rate = result.get(label, {}).get("output_tokens_per_s")
-        if base and rate:
+        base, rate = (result.get(x, {}).get("output_tokens_per_s") for x in ("vanilla", label))
+        if label != "vanilla" and base and rate:
             result[f"ratio_{label}"] = rate / base
+        write(args.out, "growth_cost", result)
     return result
 
 
