@@ -92,8 +92,8 @@ SETTINGS: dict[str, Setting] = {
     "page_bytes": Setting(
         "KVCACHED_PAGE_BYTES",
         _size,
-        "physical page size; 0 = 2 MiB, or the smallest granule above a block; larger pages map bursts faster, "
-        "in coarser units",
+        "physical page size; 0 = per pool: on CUDA the largest of 32/16/8/4/2 MiB that cuts each buffer into "
+        "64 pages or more, else 2 MiB (never below a block); larger pages grow faster, in coarser units",
     ),
     "reserved_pages": Setting(
         "KVCACHED_RESERVED_PAGES", _non_negative_int, "mapped empty pages kept for reuse (per manager)"
