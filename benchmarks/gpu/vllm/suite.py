@@ -454,11 +454,20 @@ SERVER_SIDES = [
 ]
 
 
+def prefix_hits(server: Server) -> tuple[float, float] | None:
+    """vLLM's prefix-cache counters (tokens hit, tokens queried) from the server's metrics, or None."""
+    hits, queries = server.metric("vllm:prefix_cache_hits"), server.metric("vllm:prefix_cache_queries")
+    return None if hits is None or queries is None else (hits, queries)
+
+
 def phase_serve(args: argparse.Namespace) -> dict:
     """Serving latency: one server per side of :data:`SERVER_SIDES`, one after the other, each warmed up, then
     the open-loop client at 16/s, 64/s and all at once (512-token prompts, 128 generated). Each kvcached side
-    gets the ratio of every TTFT/TPOT percentile to vanilla's and its map/unmap calls per rate (the churn)."""
-    rates = [(16.0, 240), (64.0, 480), (float("inf"), 480)]
+    gets the ratio of every TTFT/TPOT percentile to vanilla's and its map/unmap calls per rate (the churn).
+    Every rate sends prompts of its own (a repeated prompt would be a prefix-cache hit, and vanilla keeps
+    more cached prefixes than kvcached lets an engine keep), and each records the server's prefix-cache hit
+    rate, so a with/without pair is known to have done the same work."""
+    rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
     result: dict = {"input_len": 512, "output_len": 128, "rates": {}}
     for side, kvcached, env in SERVER_SIDES:
         wait_for_empty_gpus()
@@ -467,12 +476,14 @@ def phase_serve(args: argparse.Namespace) -> dict:
             result[f"startup_s_{side}"] = server.wait_ready()
             log(f"serve {side} up")
             asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
-            for rate, n in rates:
+            for rate, n, seed in rates:
                 key = "inf" if rate == float("inf") else str(int(rate))
                 log(f"serve {side} rate {key}")
-                before = driver_calls(server.name)
-                stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, 2), rate, 128))
-                after = driver_calls(server.name)
+                before, hits = driver_calls(server.name), prefix_hits(server)
+                stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
+                after, hits_after = driver_calls(server.name), prefix_hits(server)
+                if hits and hits_after and hits_after[1] > hits[1]:
+                    stats["prefix_cache_hit_rate"] = (hits_after[0] - hits[0]) / (hits_after[1] - hits[1])
                 if kvcached:
                     stats["driver_calls"] = {k: after[k] - before[k] for k in after}
                 result["rates"].setdefault(key, {})[side] = stats
