@@ -59,7 +59,7 @@ def test_views_over_kvcached_memory(executor, tmp_path, monkeypatch):
     from vllm.v1.worker import utils
 
     from kvcached_vllm import runtime
-    from kvcached_vllm.engine import kv_cache_configs_flat
+    from kvcached_vllm.engine import buffer_bytes, kv_cache_configs_flat
     from kvcached_vllm.worker import allocate_flat
 
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
@@ -70,6 +70,8 @@ def test_views_over_kvcached_memory(executor, tmp_path, monkeypatch):
     assert config.kvcached["direct"] is (executor == "uni")
     planner = runtime.planner_for(N)
     try:
+        # What the page-size rule is told a buffer holds is what the planner's buffers hold.
+        assert buffer_bytes(config) == planner.num_blocks * planner.block_bytes == N * PAGE
         caches = allocate_flat(unpatched(utils.allocate_kv_cache), config, torch.device("cpu"), KVCacheLayout.LBHNC)
         assert set(caches) == {"l0", "l1"} and caches["l0"].shape[0] == N
         ids = planner.alloc(3)  # what the scheduler's BlockPool does
@@ -98,7 +100,7 @@ def test_per_tensor_buffers_over_kvcached_memory(executor, tmp_path, monkeypatch
     from vllm.v1.worker.gpu import attn_utils
 
     from kvcached_vllm import runtime
-    from kvcached_vllm.engine import kv_cache_configs_per_tensor
+    from kvcached_vllm.engine import buffer_bytes, kv_cache_configs_per_tensor
     from kvcached_vllm.worker import BackingMismatch, allocate_tensors_v2
 
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
@@ -112,6 +114,7 @@ def test_per_tensor_buffers_over_kvcached_memory(executor, tmp_path, monkeypatch
     planner = runtime.planner_for(N)
     try:
         assert (planner.num_buffers, planner.block_bytes) == (2, PAGE)
+        assert buffer_bytes(config) == planner.num_blocks * planner.block_bytes == N * PAGE
         raw = allocate_tensors_v2(unpatched(attn_utils._allocate_kv_cache), config, {}, torch.device("cpu"))
         assert set(raw) == {"l0", "l1"} and all(t.dtype == torch.int8 and t.numel() == N * PAGE for t in raw.values())
         ids = planner.alloc(3)
