@@ -32,7 +32,7 @@ def test_host_pools_keep_2_mib_pages_whatever_their_size(settings, make_manager)
     assert mgr.page_bytes == 2 * MiB
 
 
-def test_a_page_size_setting_wins_over_the_rule(settings):
+def test_a_page_size_setting_wins_over_the_rule():
     s = kc.load_settings({"KVCACHED_PAGE_BYTES": "8M"})
     assert page_bytes_for(s, device="cuda:0", buffer_bytes=100 << 30) == 8 * MiB
     assert page_bytes_for(s, device="cpu") == 8 * MiB
