@@ -200,8 +200,9 @@ def test_memory_readings_count_what_elastic_peers_hold_as_free(tmp_path, monkeyp
 
 
 def test_cached_prefix_blocks_are_evicted_page_aware(loaded, monkeypatch):
-    """vLLM's BlockPool with prefix caching over a real planner: cached-free blocks beyond the budget are
-    evicted whole page first, so the page comes free; blocks on a page still in use are kept longest."""
+    """vLLM's BlockPool with prefix caching over a real planner: while a block is in use every cached prefix
+    stays (vLLM's own behaviour, so a busy engine keeps its hits); once none is, cached-free blocks beyond the
+    budget are evicted whole page first, so the page comes free, and the page used last is kept."""
     from conftest import elastic_pool, mark_cached
 
     from kvcached_vllm import runtime
@@ -216,14 +217,16 @@ def test_cached_prefix_blocks_are_evicted_page_aware(loaded, monkeypatch):
         mark_cached(pool, blocks)
         keep = [b for b in blocks if b.block_id // 32 == 1][:1]  # one block of page 1 stays in use
         pool.free_blocks([b for b in blocks if b not in keep])
-        # 94 cached-free blocks against a budget of 40: whole idle pages (0 and 2) go first, page 1 stays.
-        cached = {i // 32 for i in pool._cached_free}
-        assert cached == {1} and len(pool._cached_free) == 31
-        assert planner.snapshot()["allocated_blocks"] == 32  # page 1's blocks: one in use, 31 cached
-        assert pool.get_num_free_blocks() == planner.available_size() + 31
-        hit = pool.blocks[next(iter(pool._cached_free))]
+        assert len(pool._cached_free) == 94 and planner.snapshot()["allocated_blocks"] == 95  # busy: all kept
+        assert pool.get_num_free_blocks() == planner.available_size() + 94
+        hit = pool.blocks[next(i for i in pool._cached_free if i // 32 == 1)]
         pool.touch([hit])  # a prefix hit takes a cached block back into use
         assert hit.block_id not in pool._cached_free and hit.ref_cnt == 1
         pool.free_blocks(keep + [hit])
+        # Idle now: 95 cached-free blocks against a budget of 40: whole idle pages (0 and 2) go first.
+        cached = {i // 32 for i in pool._cached_free}
+        assert cached == {1} and len(pool._cached_free) == 32
+        assert planner.snapshot()["allocated_blocks"] == 32
+        assert pool.get_num_free_blocks() == planner.available_size() + 32
     finally:
         runtime.close_all()  # the planner and this process's pressure watch

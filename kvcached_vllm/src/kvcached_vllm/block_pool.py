@@ -10,9 +10,11 @@ Every block is in one of three states:
 ``get_new_blocks`` takes ids from kvcached (pages already mapped first), evicting cached-free blocks when
 kvcached cannot serve the request otherwise. ``get_num_free_blocks`` is what kvcached can map now plus the
 cached-free blocks, so the scheduler's admission and preemption follow physical memory and ``kvctl limit``.
-Cached-free blocks beyond ``KVCACHED_PREFIX_CACHE_BYTES`` are evicted as they come free, page-aware: first
-those on pages where no block is in use (oldest such page first), so whole pages come free and can be
-unmapped, then the oldest others. When another engine on the same device runs short of memory,
+While requests hold blocks, cached prefixes stay as in vLLM (evicted when kvcached cannot serve a new block
+otherwise), so a busy engine keeps vLLM's prefix hits. When the last block in use is freed (the engine went
+idle), cached-free blocks beyond ``KVCACHED_PREFIX_CACHE_BYTES`` are evicted, page-aware: first those on
+pages where no block is in use (oldest such page first), so whole pages come free and can be unmapped, then
+the oldest others. When another engine on the same device runs short of memory,
 :meth:`ElasticBlockPool.shrink_prefix_cache` gives cached-free blocks back the same way, down to a floor.
 """
 
@@ -53,6 +55,7 @@ class ElasticBlockPool(BlockPool):
         self._busy = [0] * (num_gpu_blocks // self._blocks_per_page + 1)
         self._cached_by_page: dict[int, dict[int, None]] = {}
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
+        self._in_use = 0  # blocks requests hold (ref_cnt > 0)
         self._count = SchedulerCount(self._manager)  # what vLLM's scheduler was last told is free
         if self._manager is not None:
             runtime.add_block_pool(self, self._manager.device)
@@ -115,8 +118,8 @@ class ElasticBlockPool(BlockPool):
         super().touch(blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Blocks whose last reference went: hashed ones stay as cached prefixes within the prefix-cache
-        budget, the rest go back to kvcached."""
+        """Blocks whose last reference went: hashed ones stay as cached prefixes, the rest go back to
+        kvcached; once no block is in use, cached prefixes beyond the prefix-cache budget go too."""
         if self._manager is None:
             return super().free_blocks(ordered_blocks)
         ordered_blocks = list(ordered_blocks)
@@ -132,7 +135,7 @@ class ElasticBlockPool(BlockPool):
                 released.append(block.block_id)
         self._release(released)
         excess = len(self._cached_free) - self._prefix_budget
-        if excess > 0:
+        if excess > 0 and not self._in_use:
             self._evict(excess)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -195,6 +198,7 @@ class ElasticBlockPool(BlockPool):
     def _mark_busy(self, block_id: int, delta: int) -> None:
         page = self._page(block_id)
         self._busy[page] += delta
+        self._in_use += delta
         if self._busy[page] == 0 and page in self._cached_by_page:
             self._idle_pages[page] = None
         elif delta > 0 and self._busy[page] == 1:
