@@ -19,6 +19,7 @@ the KV in use), the idle floor (the null block's page in every buffer) and the p
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import sys
@@ -113,7 +114,7 @@ def replay(page_bytes: int, concurrency: int, seed: int = 1) -> dict[str, Any]:
 
 def _poisson(rng: random.Random, mean: float) -> int:
     """A Poisson draw (Knuth's method: the means here are small)."""
-    count, threshold, product = 0, pow(2.718281828459045, -mean), rng.random()
+    count, threshold, product = 0, math.exp(-mean), rng.random()
     while product > threshold:
         count += 1
         product *= rng.random()
