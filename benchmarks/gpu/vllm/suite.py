@@ -464,9 +464,9 @@ def phase_serve(args: argparse.Namespace) -> dict:
     """Serving latency: one server per side of :data:`SERVER_SIDES`, one after the other, each warmed up, then
     the open-loop client at 16/s, 64/s and all at once (512-token prompts, 128 generated). Each kvcached side
     gets the ratio of every TTFT/TPOT percentile to vanilla's and its map/unmap calls per rate (the churn).
-    Every rate sends prompts of its own (a repeated prompt would be a prefix-cache hit, and vanilla keeps
-    more cached prefixes than kvcached lets an engine keep), and each records the server's prefix-cache hit
-    rate, so a with/without pair is known to have done the same work."""
+    Every rate sends prompts of its own (a repeated prompt would be a prefix-cache hit, and between rounds
+    vanilla keeps every cached prefix while an idle kvcached engine keeps its budget's worth), and each
+    records the server's prefix-cache hit rate, so a with/without pair is known to have done the same work."""
     rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
     result: dict = {"input_len": 512, "output_len": 128, "rates": {}}
     for side, kvcached, env in SERVER_SIDES:
