@@ -14,7 +14,8 @@ The geometry is a Llama-3-8B-shaped engine on an H200 under vLLM 0.26: 32 buffer
 blocks (16 tokens of 8 KV heads of 128, K and V, bf16), 65536 blocks (4 GiB a buffer). Every buffer holds
 the same page structure, so one buffer is replayed (host memory stays small) and bytes are reported for 32.
 Per page size and load: KV in use (mean), stranded memory after trim (mean, p99, max; and as a fraction of
-the KV in use), the idle floor (the null block's page in every buffer) and the page maps of the trace.
+the KV in use), the idle floor (the null block's page in every buffer) and the page maps of the trace (which
+move by a few percent between runs: the background reclaimer also unmaps empty pages between samples).
 """
 
 from __future__ import annotations
@@ -70,20 +71,21 @@ def replay(page_bytes: int, concurrency: int, seed: int = 1) -> dict[str, Any]:
         rate = concurrency / statistics.mean(OUTPUT_TOKENS)  # arrivals per step (Little's law)
         running: list[Request] = []
         used, stranded = [], []
+
+        def take(count: int) -> list[int]:
+            ids = mgr.alloc(count)
+            if ids is None:
+                raise RuntimeError(f"the trace outgrew {NUM_BLOCKS} blocks at concurrency {concurrency}")
+            return ids
+
         for step in range(2 * STEPS):
             for _ in range(_poisson(rng, rate)):
                 prompt, output = rng.randint(*PROMPT_TOKENS), rng.randint(*OUTPUT_TOKENS)
-                ids = mgr.alloc(-(-prompt // BLOCK_TOKENS))
-                if ids is None:
-                    raise RuntimeError(f"the trace outgrew {NUM_BLOCKS} blocks at concurrency {concurrency}")
-                running.append(Request(prompt, output, ids))
+                running.append(Request(prompt, output, take(-(-prompt // BLOCK_TOKENS))))
             still: list[Request] = []
             for req in running:
                 if req.tokens % BLOCK_TOKENS == 0:
-                    more = mgr.alloc(1)
-                    if more is None:
-                        raise RuntimeError(f"the trace outgrew {NUM_BLOCKS} blocks at concurrency {concurrency}")
-                    req.blocks += more
+                    req.blocks += take(1)
                 req.tokens += 1
                 req.left -= 1
                 if req.left:
