@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -103,32 +104,54 @@ def schedule(index: int, count: int, args: argparse.Namespace) -> list[Arrival]:
         arrivals.append(Arrival(t, prompt, rng.randint(128, 1024)))  # within --max-model-len 4096
 
 
-async def replay(servers: list[harness.Server], plans: list[list[Arrival]]) -> list[dict]:
-    """Send every model's arrivals on time (open loop) and return one record per request."""
+async def replay(server: harness.Server, model: int, plan: list[Arrival], begin: float) -> list[dict]:
+    """Send one model's arrivals on time (open loop, ``begin`` on the monotonic clock) and return one record
+    per request."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        begin = time.perf_counter()
 
-        async def one(server: harness.Server, model: int, arrival: Arrival, seed: int) -> dict:
-            await asyncio.sleep(max(0.0, arrival.at_s - (time.perf_counter() - begin)))
+        async def one(arrival: Arrival, seed: int) -> dict:
+            await asyncio.sleep(max(0.0, arrival.at_s - (time.monotonic() - begin)))
             rng = random.Random(seed)
             prompt = [rng.randrange(3, harness.VOCAB) for _ in range(arrival.prompt_len)]
-            sent = time.perf_counter() - begin
+            sent = time.monotonic() - begin
             out = await harness.one_request(session, server.port, server.name, prompt, arrival.output_len)
             return {"model": model, "arrival_s": arrival.at_s, "sent_s": sent, **out}
 
-        tasks = [
-            one(server, m, arrival, seed=m * 1_000_000 + i)
-            for m, (server, plan) in enumerate(zip(servers, plans, strict=True))
-            for i, arrival in enumerate(plan)
-        ]
-        records = await asyncio.gather(*tasks)
+        records = await asyncio.gather(*(one(a, seed=model * 1_000_000 + i) for i, a in enumerate(plan)))
     for r in records:
-        if r.get("ok"):
+        if r.get("ok"):  # one_request stamps the end on perf_counter: CLOCK_MONOTONIC on Linux
             r["end_s"] = r.pop("end") - begin
     return list(records)
+
+
+def replay_all(servers: list[harness.Server], plans: list[list[Arrival]], folder: str) -> tuple[float, list[dict]]:
+    """Every model's traffic from a client process of its own, all starting at one instant (a single
+    process streaming hundreds of requests would itself delay the tokens it times); the start on the
+    monotonic clock, and the records."""
+    begin = time.monotonic() + 2.0  # time for the children to start
+    ctx = multiprocessing.get_context("fork")
+    paths = [os.path.join(folder, f"records-{m}.json") for m in range(len(servers))]
+
+    def child(m: int) -> None:
+        records = asyncio.run(replay(servers[m], m, plans[m], begin))
+        with open(paths[m], "w") as f:
+            json.dump(records, f)
+
+    procs = [ctx.Process(target=child, args=(m,)) for m in range(len(servers))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    records = []
+    for m, (p, path) in enumerate(zip(procs, paths, strict=True)):
+        if p.exitcode != 0:
+            raise RuntimeError(f"the client of model {m} exited with {p.exitcode}")
+        with open(path) as f:
+            records += json.load(f)
+    return begin, records
 
 
 def run_config(args: argparse.Namespace) -> dict:
@@ -140,7 +163,7 @@ def run_config(args: argparse.Namespace) -> dict:
     with open(os.path.join(paths[0], "config.json")) as f:
         harness.VOCAB = json.load(f)["vocab_size"]
     util = ELASTIC_UTIL[count] if elastic else f"{STATIC_UTIL / count:.3f}"
-    extra = ["--gpu-memory-utilization", util, "--max-num-seqs", "256"]
+    extra = ["--gpu-memory-utilization", util, "--max-num-seqs", "512"]
     plans = [schedule(i, count, args) for i in range(count)]
     result: dict = {
         "config": args.command,
@@ -159,9 +182,11 @@ def run_config(args: argparse.Namespace) -> dict:
         result["startup_s"] = {s.name: s.wait_ready() for s in servers}
         harness.log(f"{args.command} x{count}: all up {result['startup_s']}")
         sampler = harness.Sampler([s.name for s in servers]) if elastic else None
-        records = asyncio.run(replay(servers, plans))
+        with tempfile.TemporaryDirectory() as folder:
+            begin, records = replay_all(servers, plans, folder)
         if sampler is not None:
             result["kv_samples"] = sampler.stop()
+            result["traffic_start_s"] = begin - sampler.t0  # where the schedule's zero is on the samples' clock
         result["requests"] = records
         result["preemptions"] = {s.name: s.metric("vllm:num_preemptions") for s in servers}
     return result
@@ -240,7 +265,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of traffic (default 120)")
     parser.add_argument("--period-s", type=float, default=40.0, help="one burst per model every this (default 40)")
     parser.add_argument("--burst-s", type=float, default=10.0, help="length of a burst (default 10)")
-    parser.add_argument("--burst-rate", type=float, default=24.0, help="requests/s in a burst (default 24)")
+    parser.add_argument("--burst-rate", type=float, default=40.0, help="requests/s in a burst (default 40)")
     parser.add_argument("--idle-rate", type=float, default=0.5, help="requests/s between bursts (default 0.5)")
     parser.add_argument("--slo-s", type=float, default=1.0, help="the TTFT objective (default 1 s)")
     args = parser.parse_args()
@@ -256,6 +281,9 @@ def main() -> int:
     harness.TOTAL = harness.gpu_bytes((args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
     result = run_config(args)
     harness.write(args.out, f"{args.command}_x{args.models}", result)
+    records, duration = result.get("requests", []), result["traffic"]["duration"]
+    brief = {name: model_stats(records, i, args.slo_s, duration) for i, name in enumerate(result["models"])}
+    print(json.dumps({"error": result.get("error"), "preemptions": result.get("preemptions"), "per_model": brief}))
     return 1 if "error" in result else 0
 
 
