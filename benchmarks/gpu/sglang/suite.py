@@ -197,7 +197,9 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for JSON and logs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
     parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
+    harness.add_sides_argument(parser)
     args = parser.parse_args()
+    harness.check_sides(parser, args)
     args.offline_engine, args.server = os.path.join(HERE, "offline_engine.py"), SGLangServer
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers (finally)

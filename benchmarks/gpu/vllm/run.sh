@@ -11,7 +11,8 @@
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
 # summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
 # full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
-# packed before a device call's limit. A failing phase does not stop the others; exit status 1 if any failed.
+# packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached) picks the servers of
+# serve and burst. A failing phase does not stop the others; exit status 1 if any failed.
 #
 # KVCACHED_BENCH_ENGINE=sglang (what benchmarks/gpu/sglang/run.sh sets) runs the SGLang harness instead:
 # benchmarks/gpu/sglang/suite.py's phases, work folder /tmp/kvbench-sglang. Both plugins are installed
@@ -112,12 +113,13 @@ alive() { for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; 
 deadline=$((started + budget))
 while [ "$(date +%s)" -lt "$deadline" ] && alive; do sleep 2; done
 if alive; then
-  # Out of time: stop every engine and driver this run started (servers run in sessions of their own).
+  # Out of time: stop every engine and driver this run started (servers run in sessions of their own). The
+  # patterns match those processes' command lines only: not the shell that started run.sh with its logs' names.
   echo "run.sh: budget of ${budget} s spent; stopping what still runs"
-  engines="benchmarks/gpu/[a-z]*/suite.py|offline_engine.py|vllm.entrypoints.openai.api_server|sglang.launch_server|pytest|VLLM::|sglang::"
-  pkill -TERM -f "$engines"
+  engines="benchmarks/gpu/[a-z]*/suite.py|offline_engine.py|vllm.entrypoints.openai.api_server|sglang.launch_server|-m pytest |VLLM::|sglang::"
+  pkill -TERM -f -- "$engines"
   sleep 15
-  pkill -KILL -f "$engines"
+  pkill -KILL -f -- "$engines"
 fi
 wait
 grep -hE "^\[" "$out"/stream-*.log | tail -60

@@ -454,6 +454,23 @@ SERVER_SIDES = [
 ]
 
 
+def add_sides_argument(parser: argparse.ArgumentParser) -> None:
+    """``--sides``: which of :data:`SERVER_SIDES` ``serve`` and ``burst`` run (a device call may not fit all)."""
+    names = ",".join(side for side, _, _ in SERVER_SIDES)
+    parser.add_argument(
+        "--sides",
+        default=os.environ.get("KVCACHED_BENCH_SIDES", names),
+        help=f"serve/burst: the servers to run, comma-separated (default {names}, or KVCACHED_BENCH_SIDES)",
+    )
+
+
+def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    names = [side for side, _, _ in SERVER_SIDES]
+    args.sides = args.sides.split(",")
+    if "vanilla" not in args.sides or not set(args.sides) <= set(names):
+        parser.error(f"--sides: vanilla and any of {', '.join(names[1:])}, comma-separated")
+
+
 def prefix_hits(server: Server) -> tuple[float, float] | None:
     """vLLM's prefix-cache counters (tokens hit, tokens queried) from the server's metrics, or None."""
     hits, queries = server.metric("vllm:prefix_cache_hits"), server.metric("vllm:prefix_cache_queries")
@@ -469,7 +486,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
     records the server's prefix-cache hit rate, so a with/without pair is known to have done the same work."""
     rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
     result: dict = {"input_len": 512, "output_len": 128, "rates": {}}
-    for side, kvcached, env in SERVER_SIDES:
+    for side, kvcached, env in (s for s in SERVER_SIDES if s[0] in args.sides):
         wait_for_empty_gpus()
         server = args.server(f"serve-{side}", 8100, args.model, kvcached, args.out, [], args.gpu, env)
         with serving([server], result, f"error_{side}"):
@@ -505,7 +522,7 @@ def phase_burst(args: argparse.Namespace) -> dict:
     (two reclaim windows: the previous burst's KV was given back). TTFT p50/p99 per burst, the median burst
     of each server against vanilla's, and kvcached's map calls per burst."""
     result: dict = {"prompts": 64, "input_len": 2048, "output_len": 16, "idle_s": 5, "servers": {}}
-    for label, kvcached, env in SERVER_SIDES:
+    for label, kvcached, env in (s for s in SERVER_SIDES if s[0] in args.sides):
         wait_for_empty_gpus()
         server = args.server(f"burst-{label}", 8150, args.model, kvcached, args.out, [], args.gpu, env)
         runs: dict = {}
@@ -801,7 +818,9 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for JSON, logs and PNGs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
     parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
+    add_sides_argument(parser)
     args = parser.parse_args()
+    check_sides(parser, args)
     args.offline_engine, args.server = os.path.join(HERE, "offline_engine.py"), Server
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers (finally)
