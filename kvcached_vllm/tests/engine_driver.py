@@ -108,8 +108,10 @@ def main() -> None:
     outputs = llm.generate(prompts(args.num_prompts), SamplingParams(temperature=0, max_tokens=args.max_tokens))
     result["batch_s"] = time.monotonic() - started
     result["tokens"] = [o.outputs[0].token_ids for o in outputs]
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    result["num_preemptions"] = metrics.get("vllm:num_preemptions")
+    metrics = {m.name: m for m in llm.get_metrics()}
+    result["num_preemptions"] = getattr(metrics.get("vllm:num_preemptions"), "value", None)
+    steps = metrics.get("vllm:iteration_tokens_total")  # tokens per engine step: the batching, in brief
+    result["steps"] = {"count": steps.count, "tokens": steps.sum} if steps is not None else None
     result["batch_end_t"] = samples[-1]["t"] if samples else None
     if args.watch_idle:
         time.sleep(args.watch_idle)

@@ -1,5 +1,6 @@
 """Several models on one GPU: kvcached against static partitioning, the same bursty traffic, the same seeds.
 
+    python run.py both    --models 2|3 --out DIR [--duration 120]    static, then elastic, then compare
     python run.py static  --models 2|3 --out DIR [--duration 120]    vLLM servers, each a fixed slice
     python run.py elastic --models 2|3 --out DIR [--duration 120]    vLLM servers with kvcached
     python run.py compare --models 2|3 --out DIR                      the two runs side by side: JSON and PNG
@@ -90,27 +91,28 @@ class Arrival:
 
 def schedule(index: int, count: int, args: argparse.Namespace) -> list[Arrival]:
     """Model ``index``'s arrivals over ``args.duration`` seconds: Poisson at the idle rate, at the burst rate
-    for ``burst_s`` of every ``period_s``; model i's bursts start i/count of a period later than model 0's."""
+    for ``burst_s`` of every ``period_s``; model i's bursts start i/count of a period later than model 0's.
+    Drawn by thinning (candidates at the burst rate, each kept with probability rate(t)/burst rate), so an
+    idle gap cannot step over part of a burst."""
     rng = random.Random(1000 + index)
     offset = args.period_s * index / count
+    top = max(args.burst_rate, args.idle_rate)
     arrivals, t = [], 0.0
     while True:
-        phase = (t - offset) % args.period_s
-        rate = args.burst_rate if phase < args.burst_s else args.idle_rate
-        t += rng.expovariate(rate)
+        t += rng.expovariate(top)
         if t >= args.duration:
             return arrivals
+        rate = args.burst_rate if (t - offset) % args.period_s < args.burst_s else args.idle_rate
         prompt = min(3072, max(256, int(rng.lognormvariate(7.3, 0.5))))  # median ~1500 tokens
-        arrivals.append(Arrival(t, prompt, rng.randint(128, 1024)))  # within --max-model-len 4096
+        output = rng.randint(128, 1024)  # within --max-model-len 4096
+        if rng.random() < rate / top:
+            arrivals.append(Arrival(t, prompt, output))
 
 
 async def replay(server: harness.Server, model: int, plan: list[Arrival], begin: float) -> list[dict]:
     """Send one model's arrivals on time (open loop, ``begin`` on the monotonic clock) and return one record
     per request."""
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with harness.client_session(3600) as session:
 
         async def one(arrival: Arrival, seed: int) -> dict:
             await asyncio.sleep(max(0.0, arrival.at_s - (time.monotonic() - begin)))
@@ -154,11 +156,11 @@ def replay_all(servers: list[harness.Server], plans: list[list[Arrival]], folder
     return begin, records
 
 
-def run_config(args: argparse.Namespace) -> dict:
-    """Start the servers of one configuration, replay the traffic, stop them; the run's JSON."""
+def run_config(args: argparse.Namespace, config: str) -> dict:
+    """Start the servers of ``config`` (static or elastic), replay the traffic, stop them; the run's JSON."""
     count = args.models
     shapes = SHAPES[:count]
-    elastic = args.command == "elastic"
+    elastic = config == "elastic"
     paths = [shape.make(tempfile.gettempdir()) for shape in shapes]
     with open(os.path.join(paths[0], "config.json")) as f:
         harness.VOCAB = json.load(f)["vocab_size"]
@@ -166,7 +168,7 @@ def run_config(args: argparse.Namespace) -> dict:
     extra = ["--gpu-memory-utilization", util, "--max-num-seqs", "512"]
     plans = [schedule(i, count, args) for i in range(count)]
     result: dict = {
-        "config": args.command,
+        "config": config,
         "models": [s.name for s in shapes],
         "gpu_memory_utilization": float(util),
         "traffic": {k: getattr(args, k) for k in ("duration", "period_s", "burst_s", "burst_rate", "idle_rate")},
@@ -180,7 +182,7 @@ def run_config(args: argparse.Namespace) -> dict:
             if not elastic:  # a static slice is checked against free memory at start: one at a time
                 servers[-1].wait_ready()
         result["startup_s"] = {s.name: s.wait_ready() for s in servers}
-        harness.log(f"{args.command} x{count}: all up {result['startup_s']}")
+        harness.log(f"{config} x{count}: all up {result['startup_s']}")
         sampler = harness.Sampler([s.name for s in servers]) if elastic else None
         with tempfile.TemporaryDirectory() as folder:
             begin, records = replay_all(servers, plans, folder)
@@ -213,7 +215,10 @@ def compare(args: argparse.Namespace) -> dict:
     """Both configurations' per-model figures, elastic over static, and the PNG."""
     runs = {}
     for config in ("static", "elastic"):
-        with open(os.path.join(args.out, f"{config}_x{args.models}.json")) as f:
+        path = os.path.join(args.out, f"{config}_x{args.models}.json")
+        if not os.path.exists(path):
+            raise SystemExit(f"run.py compare: no {path}; run `run.py {config} --models {args.models}` first")
+        with open(path) as f:
             runs[config] = json.load(f)
     models = runs["static"]["models"]
     summary: dict = {"models": models, "slo_s": args.slo_s, "per_model": {}}
@@ -224,6 +229,7 @@ def compare(args: argparse.Namespace) -> dict:
             for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "requests_per_s")
         }
         summary["per_model"][name] = row
+    summary["preemptions"] = {c: runs[c].get("preemptions") for c in runs}
     summary["errors"] = {c: runs[c]["error"] for c in runs if "error" in runs[c]}
     plot(runs, summary, os.path.join(args.out, f"multimodel_x{args.models}.png"))
     return summary
@@ -258,7 +264,7 @@ def plot(runs: dict, summary: dict, path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["static", "elastic", "compare"])
+    parser.add_argument("command", choices=["both", "static", "elastic", "compare"])
     parser.add_argument("--models", type=int, choices=[2, 3], default=2, help="engines on the GPU (default 2)")
     parser.add_argument("--out", required=True, help="folder for JSON, logs and the PNG")
     parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
@@ -279,12 +285,26 @@ def main() -> int:
         harness.write(args.out, f"multimodel_x{args.models}", compare(args))
         return 0
     harness.TOTAL = harness.gpu_bytes((args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
-    result = run_config(args)
-    harness.write(args.out, f"{args.command}_x{args.models}", result)
-    records, duration = result.get("requests", []), result["traffic"]["duration"]
-    brief = {name: model_stats(records, i, args.slo_s, duration) for i, name in enumerate(result["models"])}
-    print(json.dumps({"error": result.get("error"), "preemptions": result.get("preemptions"), "per_model": brief}))
-    return 1 if "error" in result else 0
+    failed = False
+    for config in ("static", "elastic") if args.command == "both" else (args.command,):
+        result = run_config(args, config)
+        harness.write(args.out, f"{config}_x{args.models}", result)
+        records, duration = result.get("requests", []), result["traffic"]["duration"]
+        brief = {name: model_stats(records, i, args.slo_s, duration) for i, name in enumerate(result["models"])}
+        print(
+            json.dumps(
+                {
+                    "config": config,
+                    "error": result.get("error"),
+                    "preemptions": result.get("preemptions"),
+                    "per_model": brief,
+                }
+            )
+        )
+        failed = failed or "error" in result
+    if args.command == "both" and not failed:
+        harness.write(args.out, f"multimodel_x{args.models}", compare(args))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -363,6 +363,16 @@ def serving(servers: list[Server], result: dict, key: str = "error") -> Iterator
             server.stop()
 
 
+def client_session(total_s: float):
+    """The streaming client's HTTP session: no connection limit, and a new connection for every request. A
+    kept-alive connection that sat idle past the server's keep-alive timeout can be closed by the server
+    just as a request is sent on it, which fails that request with a reset (seen between bursts)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=total_s)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+
 async def one_request(session, port: int, name: str, prompt: list[int], max_tokens: int) -> dict:
     body = {
         "model": name,
@@ -407,11 +417,8 @@ def pct(values: list[float], q: int) -> float | None:
 
 async def open_loop(port: int, name: str, prompts: list[list[int]], rate: float, max_tokens: int) -> dict:
     """Poisson arrivals at ``rate`` requests/s (inf: all at once), every request streamed."""
-    import aiohttp
-
     rng = random.Random(7)
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with client_session(1800) as session:
         tasks = []
         begin = time.perf_counter()
         for prompt in prompts:
@@ -455,17 +462,27 @@ SERVER_SIDES = [
 
 
 def add_sides_argument(parser: argparse.ArgumentParser) -> None:
-    """``--sides``: which of :data:`SERVER_SIDES` ``serve`` and ``burst`` run (a device call may not fit all)."""
+    """``--sides``: which of :data:`SERVER_SIDES` ``serve`` and ``burst`` run (a device call may not fit all);
+    ``--rounds``: how many times ``serve`` runs them, alternating."""
     names = ",".join(side for side, _, _ in SERVER_SIDES)
     parser.add_argument(
         "--sides",
         default=os.environ.get("KVCACHED_BENCH_SIDES", names),
         help=f"serve/burst: the servers to run, comma-separated (default {names}, or KVCACHED_BENCH_SIDES)",
     )
+    parser.add_argument(
+        "--rounds",
+        default=os.environ.get("KVCACHED_BENCH_ROUNDS", "1"),
+        help="serve: how many times to run the sides, alternating (default 1, or KVCACHED_BENCH_ROUNDS)",
+    )
 
 
 def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Turns ``--sides`` and ``--rounds`` into a list and a count, or exits with a one-line message."""
     names = [side for side, _, _ in SERVER_SIDES]
+    if not str(args.rounds).isdigit() or int(args.rounds) < 1:
+        parser.error(f"--rounds: a whole number of at least 1, not {args.rounds!r}")
+    args.rounds = int(args.rounds)
     args.sides = args.sides.split(",")
     if "vanilla" not in args.sides or not set(args.sides) <= set(names):
         parser.error(f"--sides: vanilla and any of {', '.join(names[1:])}, comma-separated")
@@ -478,41 +495,68 @@ def prefix_hits(server: Server) -> tuple[float, float] | None:
 
 
 def phase_serve(args: argparse.Namespace) -> dict:
-    """Serving latency: one server per side of :data:`SERVER_SIDES`, one after the other, each warmed up, then
-    the open-loop client at 16/s, 64/s and all at once (512-token prompts, 128 generated). Each kvcached side
-    gets the ratio of every TTFT/TPOT percentile to vanilla's and its map/unmap calls per rate (the churn).
-    Every rate sends prompts of its own (a repeated prompt would be a prefix-cache hit, and between rounds
-    vanilla keeps every cached prefix while an idle kvcached engine keeps its budget's worth), and each
-    records the server's prefix-cache hit rate, so a with/without pair is known to have done the same work."""
+    """Serving latency: one server per chosen side of :data:`SERVER_SIDES`, one after the other, ``--rounds``
+    times over (vanilla, kvcached, vanilla, kvcached, ...: one server's figures move between starts, so a
+    ratio needs pairs), each warmed up, then the open-loop client at 16/s, 64/s and all at once (512-token
+    prompts, 128 generated). Every rate sends prompts of its own (a repeated prompt would be a prefix-cache
+    hit, and between rounds vanilla keeps every cached prefix while an idle kvcached engine keeps its
+    budget's worth), and each records the server's prefix-cache hit rate, so a with/without pair is known to
+    have done the same work. Per rate and side: every round's figures, their medians, kvcached's map/unmap
+    calls; per kvcached side the median over rounds of each pair's ratio to vanilla, and the range."""
     rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
-    result: dict = {"input_len": 512, "output_len": 128, "rates": {}}
-    for side, kvcached, env in (s for s in SERVER_SIDES if s[0] in args.sides):
-        wait_for_empty_gpus()
-        server = args.server(f"serve-{side}", 8100, args.model, kvcached, args.out, [], args.gpu, env)
-        with serving([server], result, f"error_{side}"):
-            result[f"startup_s_{side}"] = server.wait_ready()
-            log(f"serve {side} up")
-            asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
-            for rate, n, seed in rates:
-                key = "inf" if rate == float("inf") else str(int(rate))
-                log(f"serve {side} rate {key}")
-                before, hits = driver_calls(server.name), prefix_hits(server)
-                stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
-                after, hits_after = driver_calls(server.name), prefix_hits(server)
-                if hits and hits_after and hits_after[1] > hits[1]:
-                    stats["prefix_cache_hit_rate"] = (hits_after[0] - hits[0]) / (hits_after[1] - hits[1])
-                if kvcached:
-                    stats["driver_calls"] = {k: after[k] - before[k] for k in after}
-                result["rates"].setdefault(key, {})[side] = stats
-        write(args.out, "serve", result)
-    metrics = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
-    for sides in result["rates"].values():
-        v = sides.get("vanilla", {})
-        for side, kvcached, _ in SERVER_SIDES:
-            k = sides.get(side)
-            if kvcached and k:
-                sides[f"ratio_{side}"] = {m: (k[m] / v[m] if v.get(m) and k.get(m) else None) for m in metrics}
+    result: dict = {"input_len": 512, "output_len": 128, "rounds": args.rounds, "rates": {}}
+    sides = [s for s in SERVER_SIDES if s[0] in args.sides]
+    for round_ in range(args.rounds):
+        for side, kvcached, env in sides:
+            wait_for_empty_gpus()
+            server = args.server(f"serve-{side}", 8100, args.model, kvcached, args.out, [], args.gpu, env)
+            with serving([server], result, f"error_{side}"):
+                result.setdefault(f"startup_s_{side}", []).append(server.wait_ready())
+                log(f"serve {side} up (round {round_ + 1} of {args.rounds})")
+                asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
+                for rate, n, seed in rates:
+                    key = "inf" if rate == float("inf") else str(int(rate))
+                    before, hits = driver_calls(server.name), prefix_hits(server)
+                    stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
+                    after, hits_after = driver_calls(server.name), prefix_hits(server)
+                    if hits and hits_after and hits_after[1] > hits[1]:
+                        stats["prefix_cache_hit_rate"] = (hits_after[0] - hits[0]) / (hits_after[1] - hits[1])
+                    if kvcached:
+                        stats["driver_calls"] = {k: after[k] - before[k] for k in after}
+                    result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
+                    log(f"serve {side} rate {key}: ttft p50 {stats['ttft_p50']} tpot p50 {stats['tpot_p50']}")
+            write(args.out, "serve", result)
+    for by_side in result["rates"].values():
+        summarise_rounds(by_side, [side for side, _, _ in sides])
     return result
+
+
+SERVE_METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
+
+
+def summarise_rounds(by_side: dict, sides: list[str]) -> None:
+    """One rate of ``serve``: each side's median figures over its rounds, and each kvcached side's ratio
+    to vanilla, pair by pair (round i against vanilla's round i), as the median and the range."""
+    for side in sides:
+        rounds = by_side.get(f"{side}_rounds", [])
+        if rounds:
+            by_side[side] = {
+                "ok": sum(r["ok"] for r in rounds),
+                "failed": sum(r["failed"] for r in rounds),
+                "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
+                **{m: median_of([r[m] for r in rounds]) for m in SERVE_METRICS},
+            }
+    vanilla = by_side.get("vanilla_rounds", [])
+    for side in sides[1:]:
+        pairs = list(zip(vanilla, by_side.get(f"{side}_rounds", []), strict=False))  # a cut round has no pair
+        ratios = {m: [k[m] / v[m] for v, k in pairs if v.get(m) and k.get(m)] for m in SERVE_METRICS}
+        by_side[f"ratio_{side}"] = {m: median_of(r) for m, r in ratios.items()}
+        by_side[f"ratio_range_{side}"] = {m: [min(r), max(r)] if r else None for m, r in ratios.items()}
+
+
+def median_of(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def phase_burst(args: argparse.Namespace) -> dict:
