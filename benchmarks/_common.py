@@ -111,15 +111,22 @@ def time_once_us(call: Callable[[], Any]) -> tuple[float, Any]:
 # ---- report -------------------------------------------------------------------------------------------
 
 
-def machine_info(device: str) -> dict[str, Any]:
-    """Where the numbers come from: host, CPU, memory, Python and library versions."""
-    info: dict[str, Any] = {
+def host_info() -> dict[str, Any]:
+    """The host: its name, CPU, system and Python."""
+    return {
         "node": platform.node(),
         "processor": platform.processor() or platform.machine(),
         "machine": platform.machine(),
         "system": f"{platform.system()} {platform.release()}",
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
+    }
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Where the numbers come from: host, CPU, memory, Python and library versions."""
+    info: dict[str, Any] = {
+        **host_info(),
         "kvcached_core": kvcached_core.__version__,
         "built_with_cuda": bool(kvcached_core._native.built_with_cuda),
     }

@@ -1,7 +1,7 @@
 """Burst growth of the *peer* allocator: ovg-project's ``kvcached`` package (github.com/ovg-project/kvcached), a
 different project from ours (``kvcached_core``) despite the name. Prints one JSON object.
 
-    PYTHONPATH=/tmp/peer-kv python3 benchmarks/gpu/peer/growth_peer.py [--device cuda[:N]] [--sizes-gib 1 4 16]
+    PYTHONPATH=/tmp/peer-kv:/tmp/kv python3 benchmarks/gpu/peer/growth_peer.py [--device cuda[:N]] [--sizes-gib 1 4 16]
         [--repeats 3] [--layout default|contiguous|per-layer] [--start empty|idle] [--peer-commit SHA] [--out FILE]
 
 Why: ``benchmarks/growth.py`` measures how fast our manager goes from nothing mapped to N GiB of KV blocks and
@@ -42,15 +42,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+# growth.py's report and argument helpers (they need kvcached_core importable too: /tmp/kv on the device).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from _common import host_info, positive_int, write_report  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -366,12 +368,7 @@ def machine_info(device: str) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(device)
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     return {
-        "node": platform.node(),
-        "processor": platform.processor() or platform.machine(),
-        "machine": platform.machine(),
-        "system": f"{platform.system()} {platform.release()}",
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        **host_info(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "gpu_name": torch.cuda.get_device_name(device),
@@ -414,31 +411,12 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def write_report(report: dict[str, Any], out: str | None) -> str:
-    text = json.dumps(report, indent=2)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    return text
-
-
 def cuda_device(text: str) -> str:
     """argparse type: 'cuda' or 'cuda:N', as 'cuda:N'."""
     kind, _, index = text.partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r}: the peer runs on CUDA only; give cuda or cuda:N")
     return f"cuda:{int(index) if index else 0}"
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -452,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "The peer must come first on PYTHONPATH (python3 -c 'import kvcached' must resolve to it), e.g. "
-            "bash benchmarks/gpu/peer/build_peer.sh .peer-src /tmp/peer-kv && PYTHONPATH=/tmp/peer-kv python3 "
+            "bash benchmarks/gpu/peer/build_peer.sh .peer-src /tmp/peer-kv && PYTHONPATH=/tmp/peer-kv:/tmp/kv python3 "
             "benchmarks/gpu/peer/growth_peer.py --out peer.json. Exit status: 0 done (a pattern the peer cannot "
             "do is reported in the JSON), 1 a run could not be completed (JSON with 'error'), 2 no CUDA device "
             "or no peer package."
