@@ -478,14 +478,16 @@ def add_sides_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Turns ``--sides`` and ``--rounds`` into a list and a count, or exits with a one-line message."""
+    """Turns ``--sides`` into entries of :data:`SERVER_SIDES` and ``--rounds`` into a count, or exits with a
+    one-line message."""
     names = [side for side, _, _ in SERVER_SIDES]
     if not str(args.rounds).isdigit() or int(args.rounds) < 1:
         parser.error(f"--rounds: a whole number of at least 1, not {args.rounds!r}")
     args.rounds = int(args.rounds)
-    args.sides = args.sides.split(",")
-    if "vanilla" not in args.sides or not set(args.sides) <= set(names):
+    chosen = args.sides.split(",")
+    if "vanilla" not in chosen or not set(chosen) <= set(names):
         parser.error(f"--sides: vanilla and any of {', '.join(names[1:])}, comma-separated")
+    args.sides = [side for side in SERVER_SIDES if side[0] in chosen]  # (name, kvcached, env), in that order
 
 
 def prefix_hits(server: Server) -> tuple[float, float] | None:
@@ -505,9 +507,8 @@ def phase_serve(args: argparse.Namespace) -> dict:
     calls; per kvcached side the median over rounds of each pair's ratio to vanilla, and the range."""
     rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
     result: dict = {"input_len": 512, "output_len": 128, "rounds": args.rounds, "rates": {}}
-    sides = [s for s in SERVER_SIDES if s[0] in args.sides]
     for round_ in range(args.rounds):
-        for side, kvcached, env in sides:
+        for side, kvcached, env in args.sides:
             wait_for_empty_gpus()
             server = args.server(f"serve-{side}", 8100, args.model, kvcached, args.out, [], args.gpu, env)
             with serving([server], result, f"error_{side}"):
@@ -518,6 +519,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
                     key = "inf" if rate == float("inf") else str(int(rate))
                     before, hits = driver_calls(server.name), prefix_hits(server)
                     stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
+                    stats["round"] = round_
                     after, hits_after = driver_calls(server.name), prefix_hits(server)
                     if hits and hits_after and hits_after[1] > hits[1]:
                         stats["prefix_cache_hit_rate"] = (hits_after[0] - hits[0]) / (hits_after[1] - hits[1])
@@ -527,7 +529,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
                     log(f"serve {side} rate {key}: ttft p50 {stats['ttft_p50']} tpot p50 {stats['tpot_p50']}")
             write(args.out, "serve", result)
     for by_side in result["rates"].values():
-        summarise_rounds(by_side, [side for side, _, _ in sides])
+        summarise_rounds(by_side, [side for side, _, _ in args.sides])
     return result
 
 
@@ -546,9 +548,9 @@ def summarise_rounds(by_side: dict, sides: list[str]) -> None:
                 "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
                 **{m: median_of([r[m] for r in rounds]) for m in SERVE_METRICS},
             }
-    vanilla = by_side.get("vanilla_rounds", [])
+    vanilla = {r["round"]: r for r in by_side.get("vanilla_rounds", [])}
     for side in sides[1:]:
-        pairs = list(zip(vanilla, by_side.get(f"{side}_rounds", []), strict=False))  # a cut round has no pair
+        pairs = [(vanilla[k["round"]], k) for k in by_side.get(f"{side}_rounds", []) if k["round"] in vanilla]
         ratios = {m: [k[m] / v[m] for v, k in pairs if v.get(m) and k.get(m)] for m in SERVE_METRICS}
         by_side[f"ratio_{side}"] = {m: median_of(r) for m, r in ratios.items()}
         by_side[f"ratio_range_{side}"] = {m: [min(r), max(r)] if r else None for m, r in ratios.items()}
@@ -561,12 +563,12 @@ def median_of(values: list[float | None]) -> float | None:
 
 def phase_burst(args: argparse.Namespace) -> dict:
     """A burst of long prompts arriving at an idle engine: the first token waits for the KV cache to grow.
-    Three servers one after the other (without kvcached; kvcached; kvcached with 2 MiB pages), each warmed
-    up, then three bursts of 64 prompts of 2048 tokens sent at once (16 generated), each after 5 s of idle
+    The servers of ``--sides`` one after the other (without kvcached; kvcached; kvcached with 2 MiB pages),
+    each warmed up, then three bursts of 64 prompts of 2048 tokens sent at once (16 generated), each after 5 s of idle
     (two reclaim windows: the previous burst's KV was given back). TTFT p50/p99 per burst, the median burst
     of each server against vanilla's, and kvcached's map calls per burst."""
     result: dict = {"prompts": 64, "input_len": 2048, "output_len": 16, "idle_s": 5, "servers": {}}
-    for label, kvcached, env in (s for s in SERVER_SIDES if s[0] in args.sides):
+    for label, kvcached, env in args.sides:
         wait_for_empty_gpus()
         server = args.server(f"burst-{label}", 8150, args.model, kvcached, args.out, [], args.gpu, env)
         runs: dict = {}
