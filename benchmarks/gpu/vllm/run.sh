@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu/vllm/run.sh OUT_DIR GPUS:PHASE[,PHASE...] [GPUS:PHASE[,PHASE...] ...]
 #
-#   phases: core probe tests offline growth-cost backstop serve burst share share3 limit tp     (tp needs two GPUs: 0,1:tp)
+#   phases: core probe tests offline identity growth-cost backstop serve burst share share3 limit tp     (tp needs two GPUs: 0,1:tp)
 #   e.g.    run.sh $OUT 0:tests,offline 1:share,share3    then    run.sh $OUT 0:serve 1:limit    then 0,1:tp
 #
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets

@@ -5,8 +5,11 @@
 Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 
 - ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
-  tokens of 256 prompts with prefix caching off and on (must be identical), then timed batches (offline
-  throughput ratio, two pairs, each engine's median of three).
+  tokens of 256 prompts with prefix caching off and on, then timed batches (offline throughput ratio, two
+  pairs, each engine's median of three). Each engine core has its own process, as users run it, so the two
+  sides' batches (and near-tie tokens) may differ; ``identity`` is the exact check.
+- ``identity``: the same greedy comparison with every engine core in-process, where both sides batch alike:
+  every token must be identical.
 - ``growth-cost``: five fresh engines (vanilla, kvcached keeping its KV mapped between batches, kvcached,
   kvcached with 2 MiB pages, vanilla again as the control): what growing the KV from empty costs a batch,
   what is left, and how far two vanilla engines differ.
@@ -153,8 +156,38 @@ def _tail(path: str, lines: int = 15) -> list[str]:
 
 
 def identity(van: dict, kvc: dict) -> dict:
-    same = sum(a == b for a, b in zip(van["tokens"], kvc["tokens"], strict=True))
-    return {"prompts": len(van["tokens"]), "identical": same, "tokens_each": len(van["tokens"][0])}
+    differ = [i for i, (a, b) in enumerate(zip(van["tokens"], kvc["tokens"], strict=True)) if a != b]
+    prompts = len(van["tokens"])
+    return {
+        "prompts": prompts,
+        "identical": prompts - len(differ),
+        "differ": differ,
+        "tokens_each": len(van["tokens"][0]),
+    }
+
+
+# vLLM's engine core in the driver's process: LLM.generate hands it every prompt before its first step. With
+# a core process of its own, each step batches whatever requests have reached it over its socket, so two runs
+# of vLLM alone can batch differently, which moves bf16 rounding (and a near-tie greedy token).
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def phase_identity(args: argparse.Namespace) -> dict:
+    """Greedy identity on its own: fresh engines alternating without/with kvcached, prefix caching off then
+    on, 256 prompts of 128 greedy tokens each, every engine core in-process (:data:`IN_PROCESS`) so that both
+    sides batch alike. ``identity.json`` is rewritten after every engine."""
+    logfile = os.path.join(args.out, "identity.log")
+    runs: dict[str, dict] = {}
+    plan = [("pc-off", []), ("pc-on", ["--prefix-caching"])]
+    result: dict = {}
+    for label, flags in plan:
+        for side in ("vanilla", "kvcached"):
+            log(f"identity {label} {side}")
+            extra = [*flags, "--throughput-prompts", "0"]
+            runs[f"{label}/{side}"] = run_offline_engine(args, side == "kvcached", extra, logfile, IN_PROCESS)
+            result = compare_offline(runs, [label for label, _ in plan], 1)
+            write(args.out, "identity", result)
+    return result
 
 
 def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
@@ -851,6 +884,7 @@ def main() -> int:
         "model",
         "probe",
         "offline",
+        "identity",
         "growth-cost",
         "backstop",
         "serve",
@@ -884,6 +918,8 @@ def main() -> int:
                 write(args.out, "probe", phase_probe(args))
             elif phase == "offline":
                 phase_offline(args)  # writes offline.json itself, after every engine
+            elif phase == "identity":
+                phase_identity(args)  # writes identity.json itself, after every engine
             elif phase == "growth-cost":
                 write(args.out, "growth_cost", phase_growth_cost(args))
             elif phase == "backstop":
