@@ -12,7 +12,8 @@
 # summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
 # full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
 # packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached) picks the servers of
-# serve and burst; KVCACHED_BENCH_ROUNDS (default 1) runs serve's servers that many times, alternating. A failing phase does not stop the others; exit status 1 if any failed.
+# serve and burst; KVCACHED_BENCH_ROUNDS (default 1) runs serve's servers that many times, alternating.
+# A failing phase does not stop the others; exit status 1 if any failed.
 #
 # KVCACHED_BENCH_ENGINE=sglang (what benchmarks/gpu/sglang/run.sh sets) runs the SGLang harness instead:
 # benchmarks/gpu/sglang/suite.py's phases, work folder /tmp/kvbench-sglang. Both plugins are installed

@@ -176,36 +176,31 @@ def phase_identity(args: argparse.Namespace) -> dict:
     """Greedy identity on its own: fresh engines alternating without/with kvcached, prefix caching off then
     on, 256 prompts of 128 greedy tokens each, every engine core in-process (:data:`IN_PROCESS`) so that both
     sides batch alike. ``identity.json`` is rewritten after every engine."""
-    logfile = os.path.join(args.out, "identity.log")
-    runs: dict[str, dict] = {}
-    plan = [("pc-off", []), ("pc-on", ["--prefix-caching"])]
-    result: dict = {}
-    for label, flags in plan:
-        for side in ("vanilla", "kvcached"):
-            log(f"identity {label} {side}")
-            extra = [*flags, "--throughput-prompts", "0"]
-            runs[f"{label}/{side}"] = run_offline_engine(args, side == "kvcached", extra, logfile, IN_PROCESS)
-            result = compare_offline(runs, [label for label, _ in plan], 1)
-            write(args.out, "identity", result)
-    return result
+    return alternate_engines(args, "identity", ["--throughput-prompts", "0"], env=IN_PROCESS)
 
 
 def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
     """Fresh engines alternating without/with kvcached, prefix caching off then on. Each engine gives its
     greedy tokens and (TP=1) the median of three timed batches, so one pair's ratio is not one batch's luck.
     ``offline.json`` (``tp2.json``) is rewritten after every engine, so a run cut short keeps what it measured."""
-    name = "offline" if tp == 1 else f"tp{tp}"
-    logfile = os.path.join(args.out, f"offline_tp{tp}.log")
-    extra_tp = ["--tp", str(tp)] if tp > 1 else []
-    thru = 0 if tp > 1 else 1024
+    if tp == 1:
+        return alternate_engines(args, "offline", ["--throughput-prompts", "1024"])
+    return alternate_engines(args, f"tp{tp}", ["--tp", str(tp), "--throughput-prompts", "0"], tp=tp)
+
+
+def alternate_engines(
+    args: argparse.Namespace, name: str, extra: list[str], tp: int = 1, env: dict[str, str] | None = None
+) -> dict:
+    """Offline engines with ``extra`` arguments (and ``env``), vanilla then kvcached, prefix caching off then
+    on; ``name``.json (what :func:`compare_offline` makes of them) is rewritten after every engine."""
+    logfile = os.path.join(args.out, f"{name}.log")
     runs: dict[str, dict] = {}
     plan = [("pc-off", []), ("pc-on", ["--prefix-caching"])]
     result: dict = {}
     for label, flags in plan:
         for side in ("vanilla", "kvcached"):
-            extra = [*flags, *extra_tp, "--throughput-prompts", str(thru)]
-            log(f"offline tp={tp} {label} {side}")
-            runs[f"{label}/{side}"] = run_offline_engine(args, side == "kvcached", extra, logfile)
+            log(f"{name} {label} {side}")
+            runs[f"{label}/{side}"] = run_offline_engine(args, side == "kvcached", [*flags, *extra], logfile, env)
             result = compare_offline(runs, [label for label, _ in plan], tp)
             write(args.out, name, result)
     return result
