@@ -49,6 +49,7 @@ def main(argv: list[str]) -> int:
                     "sum_of_peaks_over_gpu",
                     "max_mapped_2s_after",
                     "failed",
+                    "ttft_p50_ratio",
                 )
             }
             print(f"{name}: {json.dumps(brief)[:600]}", file=sys.stderr)
