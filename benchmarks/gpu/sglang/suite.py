@@ -4,11 +4,11 @@
 
 The vLLM harness's phases (``benchmarks/gpu/vllm/suite.py``) with SGLang in place of vLLM:
 
-- ``offline``: fresh ``sglang.Engine`` processes alternating without/with kvcached (``KVCACHED_ENABLE=0/1``):
-  greedy tokens of 256 prompts with the radix cache off and on (must be identical), and each engine's median
-  of three timed batches (offline throughput ratio); ``offline.json`` is rewritten after every engine.
-- ``growth-cost``: vanilla, kvcached keeping its KV mapped between batches, kvcached, kvcached with 2 MiB
-  pages, vanilla again: what growing the KV from empty costs a batch (the vLLM harness's phase).
+- ``offline``: offline throughput of fresh ``sglang.Engine`` processes, one per side of ``--sides`` in each of
+  ``--rounds`` rounds (the vLLM harness's phase): the ratio to SGLang without kvcached, pair by pair and
+  pooled, with kvcached's map and unmap calls per batch; ``offline.json`` is rewritten after every engine.
+- ``identity``: greedy tokens of 256 prompts, fresh engines alternating without/with kvcached (``KVCACHED_ENABLE=0/1``),
+  the radix cache off and on: must be identical; ``identity.json`` is rewritten after every engine.
 - ``serve``: one ``python -m sglang.launch_server`` without kvcached, with it, with it and 2 MiB pages; the
   open-loop streaming client at 16 and 64 requests/s and at saturation: TTFT and TPOT p50/p99, and
   kvcached's map and unmap calls per rate.
@@ -182,7 +182,7 @@ def phase_mixed(args: argparse.Namespace) -> dict:
 
 PHASES = {
     "serve": harness.phase_serve,
-    "growth-cost": harness.phase_growth_cost,
+    "burst": harness.phase_burst,
     "pools": phase_pools,
     "release": phase_release,
     "mixed": phase_mixed,
@@ -192,7 +192,7 @@ PHASES = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "phases", nargs="+", choices=["model", "offline", "growth-cost", "serve", "burst", "pools", "release", "mixed"]
+        "phases", nargs="+", choices=["model", "offline", "identity", "serve", "burst", "pools", "release", "mixed"]
     )
     parser.add_argument("--out", required=True, help="folder for JSON and logs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
@@ -214,6 +214,8 @@ def main() -> int:
                 continue  # made above
             if phase == "offline":
                 harness.phase_offline(args)  # writes offline.json itself, after every engine
+            elif phase == "identity":  # writes identity.json itself, after every engine
+                harness.alternate_engines(args, "identity", ["--throughput-prompts", "0"])
             else:
                 harness.write(args.out, phase, PHASES[phase](args))
         except Exception as exc:  # one phase failing must not lose the others' results

@@ -4,15 +4,12 @@
 
 Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 
-- ``offline``: fresh engines alternate, vLLM without and with kvcached (``KVCACHED_ENABLE=0/1``): greedy
-  tokens of 256 prompts with prefix caching off and on, then timed batches (offline throughput ratio, two
-  pairs, each engine's median of three). Each engine core has its own process, as users run it, so the two
-  sides' batches (and near-tie tokens) may differ; ``identity`` is the exact check.
-- ``identity``: the same greedy comparison with every engine core in-process, where both sides batch alike:
-  every token must be identical.
-- ``growth-cost``: five fresh engines (vanilla, kvcached keeping its KV mapped between batches, kvcached,
-  kvcached with 2 MiB pages, vanilla again as the control): what growing the KV from empty costs a batch,
-  what is left, and how far two vanilla engines differ.
+- ``offline``: offline throughput of fresh engines, one per side of ``--sides`` (vanilla, kvcached, kvcached
+  with 2 MiB pages, kvcached keeping its memory mapped) in each of ``--rounds`` rounds, the order reversed
+  every other round; each engine the median of three timed batches with kvcached's map and unmap calls per
+  batch; the ratio to vanilla pair by pair (median and range) and over every batch pooled.
+- ``identity``: greedy tokens of fresh engines alternating without/with kvcached, prefix caching off and on,
+  every engine core in-process, where both sides batch alike: every token must be identical.
 - ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
 - ``serve``: one ``vllm serve`` without kvcached, one with it, one with it and 2 MiB pages; an open-loop
   client (Poisson arrivals, streaming) at three request rates up to saturation: TTFT and TPOT p50/p99,
@@ -180,12 +177,70 @@ def phase_identity(args: argparse.Namespace) -> dict:
 
 
 def phase_offline(args: argparse.Namespace, tp: int = 1) -> dict:
-    """Fresh engines alternating without/with kvcached, prefix caching off then on. Each engine gives its
-    greedy tokens and (TP=1) the median of three timed batches, so one pair's ratio is not one batch's luck.
-    ``offline.json`` (``tp2.json``) is rewritten after every engine, so a run cut short keeps what it measured."""
+    """Offline throughput (TP=1): :func:`offline_rounds`. At TP > 1, greedy identity of fresh engines
+    alternating without/with kvcached (``tp2.json``)."""
     if tp == 1:
-        return alternate_engines(args, "offline", ["--throughput-prompts", "1024"])
+        return offline_rounds(args)
     return alternate_engines(args, f"tp{tp}", ["--tp", str(tp), "--throughput-prompts", "0"], tp=tp)
+
+
+def offline_rounds(args: argparse.Namespace) -> dict:
+    """Offline throughput of fresh engines, one per side of ``--sides`` in each of ``--rounds`` rounds, the
+    order reversed every other round (vanilla, kvcached, kvcached, vanilla, ...) so that drift between engine
+    starts does not favour one side. Each engine: 32 greedy prompts, then the median of three timed batches of
+    1024 prompts x (512 + 256) tokens, prefix caching off. One pair of engines resolves ~10 % (an engine's
+    batches spread that much), so the ratio is given pair by pair, as the median and the range over rounds,
+    and over every batch of every engine pooled. ``offline.json`` is rewritten after every engine."""
+    logfile = os.path.join(args.out, "offline.log")
+    extra = ["--identity-prompts", "32", "--throughput-prompts", "1024"]
+    runs: dict[str, list[dict]] = {side: [] for side, _, _ in args.sides}
+    result: dict = {}
+    for round_ in range(args.rounds):
+        for side, kvcached, env in round_order(args.sides, round_):
+            log(f"offline {side} (round {round_ + 1} of {args.rounds})")
+            run = run_offline_engine(args, kvcached, extra, logfile, env)
+            runs[side].append({"round": round_, **run})
+            result = summarise_offline(runs)
+            write(args.out, "offline", result)
+    return result
+
+
+def round_order(sides: list[tuple], round_: int) -> list[tuple]:
+    """The sides in their order in even rounds and reversed in odd ones (ABBA), against drift over a run."""
+    return list(sides) if round_ % 2 == 0 else list(reversed(sides))
+
+
+def summarise_offline(runs: dict[str, list[dict]]) -> dict:
+    """Every engine's throughput, start-up and greedy tokens against vanilla's of the same round; per
+    kvcached side the ratio of output tokens/s to vanilla's, pair by pair (median and range), and the ratio
+    of the pooled medians of every timed batch."""
+    result: dict = {"rounds": {}, "errors": {}}
+    vanilla = {r["round"]: r for r in runs.get("vanilla", []) if "throughput" in r}
+    pooled: dict[str, list[float]] = {}
+    for side, side_runs in runs.items():
+        result["rounds"][side] = []
+        for run in side_runs:
+            if "error" in run:
+                result["errors"].setdefault(side, []).append({k: run.get(k) for k in ("round", "error", "log_tail")})
+                continue
+            entry = {"round": run["round"], "startup_s": run["startup_s"], **run.get("throughput", {})}
+            van = vanilla.get(run["round"])
+            if side != "vanilla" and van is not None:
+                entry["ratio_output_tokens"] = entry["output_tokens_per_s"] / van["throughput"]["output_tokens_per_s"]
+                entry["identity"] = identity(van, run)  # 32 prompts; engine cores in their own processes
+            result["rounds"][side].append(entry)
+            pooled.setdefault(side, []).extend(entry.get("seconds_each", []))
+            if run.get("pools"):
+                result.setdefault("kvcached_pools", run["pools"])
+    for side in result["rounds"]:
+        ratios = [e["ratio_output_tokens"] for e in result["rounds"][side] if "ratio_output_tokens" in e]
+        if ratios:
+            result[f"ratio_{side}"] = statistics.median(ratios)
+            result[f"ratio_range_{side}"] = [min(ratios), max(ratios)]
+            if pooled.get("vanilla") and pooled.get(side):
+                # the same batch on both sides: tokens/s ratio = vanilla's seconds over this side's
+                result[f"pooled_ratio_{side}"] = statistics.median(pooled["vanilla"]) / statistics.median(pooled[side])
+    return result
 
 
 def alternate_engines(
@@ -206,43 +261,9 @@ def alternate_engines(
     return result
 
 
-def phase_growth_cost(args: argparse.Namespace) -> dict:
-    """Where kvcached's offline throughput goes: five fresh engines, prefix caching off: vanilla; kvcached with
-    ``KVCACHED_RECLAIM_DELAY_MS`` of 10 minutes, so the KV mapped by the first batch stays for the next ones;
-    kvcached (default pages); kvcached with 2 MiB pages (``KVCACHED_PAGE_BYTES``: up to 16x more driver calls
-    to grow); vanilla again, the control: how far two vanilla engines differ in throughput and greedy tokens.
-    The gap between the kvcached and kept figures is what growing the KV from empty costs a batch; the rest
-    is kvcached's cost with the memory already mapped. Greedy tokens of 32 prompts are compared with the
-    first vanilla engine's."""
-    logfile = os.path.join(args.out, "growth_cost.log")
-    extra = ["--identity-prompts", "32"]
-    sides = [
-        ("vanilla", False, None),
-        ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
-        ("kvcached", True, None),
-        ("kvcached-2M", True, {"KVCACHED_PAGE_BYTES": "2M"}),
-        ("vanilla-again", False, None),
-    ]
-    result: dict = {}
-    vanilla: dict = {}
-    for label, kvcached, env in sides:
-        log(f"growth-cost {label}")
-        run = run_offline_engine(args, kvcached, extra, logfile, env)
-        result[label] = run.get("throughput", run)
-        if label == "vanilla":
-            vanilla = run
-        elif "tokens" in vanilla and "tokens" in run:
-            result[label]["identity"] = identity(vanilla, run)  # greedy tokens of 32 prompts against vanilla
-        base, rate = (result.get(x, {}).get("output_tokens_per_s") for x in ("vanilla", label))
-        if label != "vanilla" and base and rate:
-            result[f"ratio_{label}"] = rate / base
-        write(args.out, "growth_cost", result)
-    return result
-
-
 def compare_offline(runs: dict[str, dict], labels: list[str], tp: int) -> dict:
-    """Identity, start-up and throughput of every with/without pair that has run."""
-    result: dict = {"tp": tp, "identity": {}, "throughput": {}, "startup_s": {}}
+    """Greedy identity and start-up of every with/without pair that has run."""
+    result: dict = {"tp": tp, "identity": {}, "startup_s": {}}
     for label in labels:
         van, kvc = runs.get(f"{label}/vanilla"), runs.get(f"{label}/kvcached")
         if van is None or kvc is None:
@@ -258,16 +279,6 @@ def compare_offline(runs: dict[str, dict], labels: list[str], tp: int) -> dict:
         result["identity"][label] = identity(van, kvc)
         result["startup_s"][label] = {"vanilla": van["startup_s"], "kvcached": kvc["startup_s"]}
         result.setdefault("kvcached_pools", kvc["pools"])
-        if "throughput" in van and "throughput" in kvc:
-            result["throughput"][label] = {
-                "vanilla": van["throughput"],
-                "kvcached": kvc["throughput"],
-                "ratio_output_tokens": kvc["throughput"]["output_tokens_per_s"]
-                / van["throughput"]["output_tokens_per_s"],
-            }
-    ratios = [t["ratio_output_tokens"] for t in result["throughput"].values()]
-    if ratios:
-        result["throughput_ratio_mean"] = statistics.mean(ratios)
     return result
 
 
@@ -486,22 +497,25 @@ SERVER_SIDES = [
     ("vanilla", False, None),
     ("kvcached", True, None),
     ("kvcached-2M", True, {"KVCACHED_PAGE_BYTES": "2M"}),
+    # a reclaim window of 10 minutes: what kvcached costs with its memory kept mapped (no unmap, no re-map)
+    ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
 ]
+DEFAULT_SIDES = "vanilla,kvcached,kvcached-2M"
 
 
 def add_sides_argument(parser: argparse.ArgumentParser) -> None:
-    """``--sides``: which of :data:`SERVER_SIDES` ``serve`` and ``burst`` run (a device call may not fit all);
-    ``--rounds``: how many times ``serve`` runs them, alternating."""
-    names = ",".join(side for side, _, _ in SERVER_SIDES)
+    """``--sides``: which of :data:`SERVER_SIDES` ``offline``, ``serve`` and ``burst`` run (a device call may
+    not fit all); ``--rounds``: how many times ``offline`` and ``serve`` run them, alternating."""
+    others = ",".join(side for side, _, _ in SERVER_SIDES[1:])
     parser.add_argument(
         "--sides",
-        default=os.environ.get("KVCACHED_BENCH_SIDES", names),
-        help=f"serve/burst: the servers to run, comma-separated (default {names}, or KVCACHED_BENCH_SIDES)",
+        default=os.environ.get("KVCACHED_BENCH_SIDES", DEFAULT_SIDES),
+        help=f"offline/serve/burst: vanilla plus any of {others} (default {DEFAULT_SIDES}, or KVCACHED_BENCH_SIDES)",
     )
     parser.add_argument(
         "--rounds",
         default=os.environ.get("KVCACHED_BENCH_ROUNDS", "1"),
-        help="serve: how many times to run the sides, alternating (default 1, or KVCACHED_BENCH_ROUNDS)",
+        help="offline/serve: how many times to run the sides, alternating (default 1, or KVCACHED_BENCH_ROUNDS)",
     )
 
 
@@ -526,17 +540,18 @@ def prefix_hits(server: Server) -> tuple[float, float] | None:
 
 def phase_serve(args: argparse.Namespace) -> dict:
     """Serving latency: one server per chosen side of :data:`SERVER_SIDES`, one after the other, ``--rounds``
-    times over (vanilla, kvcached, vanilla, kvcached, ...: one server's figures move between starts, so a
-    ratio needs pairs), each warmed up, then the open-loop client at 16/s, 64/s and all at once (512-token
-    prompts, 128 generated). Every rate sends prompts of its own (a repeated prompt would be a prefix-cache
-    hit, and between rounds vanilla keeps every cached prefix while an idle kvcached engine keeps its
-    budget's worth), and each records the server's prefix-cache hit rate, so a with/without pair is known to
-    have done the same work. Per rate and side: every round's figures, their medians, kvcached's map/unmap
-    calls; per kvcached side the median over rounds of each pair's ratio to vanilla, and the range."""
+    times over (vanilla, kvcached, kvcached, vanilla, ...: one server's figures move between starts, so a
+    ratio needs pairs, and the order turns so that drift favours neither), each warmed up, then the
+    open-loop client at 16/s, 64/s and all at once (512-token prompts, 128 generated). Every rate sends
+    prompts of its own (a repeated prompt would be a prefix-cache hit, and between rounds vanilla keeps every
+    cached prefix while an idle kvcached engine keeps its budget's worth), and each records the server's
+    prefix-cache hit rate, so a with/without pair is known to have done the same work. Per rate and side:
+    every round's figures, their medians, kvcached's map/unmap calls; per kvcached side the median over
+    rounds of each pair's ratio to vanilla, and the range."""
     rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
     result: dict = {"input_len": 512, "output_len": 128, "rounds": args.rounds, "rates": {}}
     for round_ in range(args.rounds):
-        for side, kvcached, env in args.sides:
+        for side, kvcached, env in round_order(args.sides, round_):
             wait_for_empty_gpus()
             server = args.server(f"serve-{side}", 8100, args.model, kvcached, args.out, [], args.gpu, env)
             with serving([server], result, f"error_{side}"):
@@ -591,10 +606,13 @@ def median_of(values: list[float | None]) -> float | None:
 
 def phase_burst(args: argparse.Namespace) -> dict:
     """A burst of long prompts arriving at an idle engine: the first token waits for the KV cache to grow.
-    The servers of ``--sides`` one after the other (without kvcached; kvcached; kvcached with 2 MiB pages),
-    each warmed up, then three bursts of 64 prompts of 2048 tokens sent at once (16 generated), each after 5 s of idle
-    (two reclaim windows: the previous burst's KV was given back). TTFT p50/p99 per burst, the median burst
-    of each server against vanilla's, and kvcached's map calls per burst."""
+    The servers of ``--sides`` one after the other, each warmed up, then three bursts of 64 prompts of 2048
+    tokens sent at once (16 generated), each after 5 s of idle. Only the first burst meets an engine with
+    nothing mapped: with prefix caching on (vLLM's default) a finished burst's blocks stay mapped as cached
+    prefixes (up to ``KVCACHED_PREFIX_CACHE_BYTES``) and the next burst's new prompts map pages of their
+    own. TTFT p50/p99 per burst, the
+    median burst of each server against vanilla's, and kvcached's map and unmap calls in each burst and in
+    the idle time before it."""
     result: dict = {"prompts": 64, "input_len": 2048, "output_len": 16, "idle_s": 5, "servers": {}}
     for label, kvcached, env in args.sides:
         wait_for_empty_gpus()
@@ -605,11 +623,13 @@ def phase_burst(args: argparse.Namespace) -> dict:
             asyncio.run(open_loop(8150, server.name, token_prompts(8, 512, 1), float("inf"), 4))  # warm
             runs["bursts"] = []
             for i in range(3):
+                idle_from = driver_calls(server.name)
                 time.sleep(result["idle_s"])
                 before = driver_calls(server.name)
                 stats = asyncio.run(open_loop(8150, server.name, token_prompts(64, 2048, 10 + i), float("inf"), 16))
                 after = driver_calls(server.name)
                 stats["driver_calls"] = {k: after[k] - before[k] for k in after}
+                stats["idle_driver_calls"] = {k: before[k] - idle_from[k] for k in before}  # what idling gave back
                 runs["bursts"].append(stats)
                 log(f"burst {label} {i}: ttft p50 {stats['ttft_p50']} maps {stats['driver_calls']}")
         result["servers"][label] = runs
@@ -880,7 +900,6 @@ def main() -> int:
         "probe",
         "offline",
         "identity",
-        "growth-cost",
         "backstop",
         "serve",
         "burst",
@@ -915,8 +934,6 @@ def main() -> int:
                 phase_offline(args)  # writes offline.json itself, after every engine
             elif phase == "identity":
                 phase_identity(args)  # writes identity.json itself, after every engine
-            elif phase == "growth-cost":
-                write(args.out, "growth_cost", phase_growth_cost(args))
             elif phase == "backstop":
                 write(args.out, "backstop", phase_backstop(args))
             elif phase == "tp":

@@ -50,6 +50,9 @@ def main(argv: list[str]) -> int:
                     "max_mapped_2s_after",
                     "failed",
                     "ttft_p50_ratio",
+                    "ratio_kvcached",
+                    "ratio_range_kvcached",
+                    "pooled_ratio_kvcached",
                 )
             }
             print(f"{name}: {json.dumps(brief)[:600]}", file=sys.stderr)
