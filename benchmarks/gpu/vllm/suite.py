@@ -607,12 +607,10 @@ def median_of(values: list[float | None]) -> float | None:
 def phase_burst(args: argparse.Namespace) -> dict:
     """A burst of long prompts arriving at an idle engine: the first token waits for the KV cache to grow.
     The servers of ``--sides`` one after the other, each warmed up, then three bursts of 64 prompts of 2048
-    tokens sent at once (16 generated), each after 5 s of idle. Only the first burst meets an engine with
-    nothing mapped: with prefix caching on (vLLM's default) a finished burst's blocks stay mapped as cached
-    prefixes (up to ``KVCACHED_PREFIX_CACHE_BYTES``) and the next burst's new prompts map pages of their
-    own. TTFT p50/p99 per burst, the
-    median burst of each server against vanilla's, and kvcached's map and unmap calls in each burst and in
-    the idle time before it."""
+    tokens sent at once (16 generated), each after 5 s of idle: more than two reclaim windows, so an idle
+    kvcached engine has kept only ``KVCACHED_PREFIX_CACHE_BYTES`` of cached prefixes and unmapped the rest,
+    and every burst grows the KV again. TTFT p50/p99 per burst, the median burst of each server against
+    vanilla's, and kvcached's map and unmap calls in each burst and in the idle time before it."""
     result: dict = {"prompts": 64, "input_len": 2048, "output_len": 16, "idle_s": 5, "servers": {}}
     for label, kvcached, env in args.sides:
         wait_for_empty_gpus()
