@@ -1,6 +1,7 @@
 """What a coarser page costs in elasticity: memory an engine keeps mapped but cannot give back, per page size.
 
-    python benchmarks/elasticity.py [--page-mib 2 8 16 32] [--concurrency 16 128 512] [--json] [--out FILE]
+    python benchmarks/elasticity.py [--page-mib 2 8 16 32] [--concurrency 16 128 512]
+                                    [--layout per-layer block-outer] [--json] [--out FILE]
 
 A page goes back only when every block in it is free, so a larger page strands more memory in pages that a
 few live requests keep partly used. This replays one serving trace on the real allocator (host backend,
@@ -16,6 +17,11 @@ the same page structure, so one buffer is replayed (host memory stays small) and
 Per page size and load: KV in use (mean), stranded memory after trim (mean, p99, max; and as a fraction of
 the KV in use), the idle floor (the null block's page in every buffer) and the page maps of the trace (which
 move by a few percent between runs: the background reclaimer also unmaps empty pages between samples).
+
+``--layout block-outer`` replays the same engine with every layer's block side by side
+(``KVCACHED_KV_LAYOUT=block-outer``): one buffer of 2 MiB blocks, where a page holds page/2 MiB blocks of all
+layers instead of page/64 KiB blocks of one. It is replayed as one buffer of 64 KiB blocks with pages 1/32 of
+the size (the same blocks per page), scaled the same way.
 """
 
 from __future__ import annotations
@@ -51,8 +57,12 @@ class Request:
         self.tokens, self.left, self.blocks = tokens, left, blocks
 
 
-def replay(page_bytes: int, concurrency: int, seed: int = 1) -> dict[str, Any]:
-    """One page size, one load: the trace on a fresh manager; figures scaled to ``BUFFERS`` buffers."""
+LAYOUTS = ("per-layer", "block-outer")
+
+
+def replay(page_bytes: int, concurrency: int, seed: int = 1, layout: str = "per-layer") -> dict[str, Any]:
+    """One page size, one load, one layout: the trace on a fresh manager; figures scaled to ``BUFFERS``
+    buffers (per-layer) or to blocks of all ``BUFFERS`` layers (block-outer)."""
     settings = load_settings({}, reclaim_delay_ms=0, reserved_pages=0, control=False)
     mgr = KVCacheManager(
         NUM_BLOCKS,
@@ -62,7 +72,7 @@ def replay(page_bytes: int, concurrency: int, seed: int = 1) -> dict[str, Any]:
         device="cpu",
         name="bench-elasticity",
         reserve_null_block=True,
-        page_bytes=page_bytes,
+        page_bytes=page_bytes if layout == "per-layer" else page_bytes // BUFFERS,
         settings=settings,
     )
     try:
@@ -129,18 +139,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--concurrency", type=positive_int, nargs="+", default=[16, 128, 512], help="mean requests running"
     )
+    parser.add_argument(
+        "--layout", choices=LAYOUTS, nargs="+", default=["per-layer"], help="KV layouts (default per-layer)"
+    )
     args = parser.parse_args(argv)
     if args.device != "cpu":
         parser.error("the replay runs on the host backend (--device cpu): it measures the allocator's pages")
     results: dict[str, Any] = {}
     for concurrency in args.concurrency:
         row = results[f"concurrency_{concurrency}"] = {}
-        for mib in args.page_mib:
-            try:
-                row[f"{mib}MiB"] = replay(mib * MiB, concurrency)
-            except (RuntimeError, ValueError) as exc:
-                print(f"elasticity.py: {exc}", file=sys.stderr)
-                return 1
+        for layout in args.layout:
+            for mib in args.page_mib:
+                key = f"{mib}MiB" if layout == "per-layer" else f"{mib}MiB-{layout}"
+                try:
+                    row[key] = replay(mib * MiB, concurrency, layout=layout)
+                except (RuntimeError, ValueError) as exc:
+                    print(f"elasticity.py: {exc}", file=sys.stderr)
+                    return 1
     report = {
         "benchmark": "elasticity",
         "geometry": {"buffers": BUFFERS, "block_bytes": BLOCK_BYTES, "num_blocks": NUM_BLOCKS},
@@ -152,11 +167,11 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(text)
     else:
-        print(f"{'load':>16} {'page':>6} {'in use GiB':>11} {'stranded mean':>14} {'p99':>7} {'share':>7} {'idle':>6}")
+        print(f"{'load':>16} {'page':>18} {'in use GiB':>11} {'stranded mean':>14} {'p99':>7} {'share':>7} {'idle':>6}")
         for load, row in results.items():
             for page, r in row.items():
                 print(
-                    f"{load:>16} {page:>6} {r['used_gib_mean']:>11} {r['stranded_gib_mean']:>14} "
+                    f"{load:>16} {page:>18} {r['used_gib_mean']:>11} {r['stranded_gib_mean']:>14} "
                     f"{r['stranded_gib_p99']:>7} {r['stranded_fraction_of_used']:>7} {r['idle_gib']:>6}"
                 )
     return 0

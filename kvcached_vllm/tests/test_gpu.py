@@ -53,16 +53,38 @@ def runs(tiny_model) -> dict[str, dict]:
             env={**IN_PROCESS, "KVCACHED_PAGE_BYTES": "2M"},
         )
     )
-    return {"vanilla": vanilla, "elastic": elastic}
+    # KVCACHED_KV_LAYOUT=block-outer: vLLM's packed layout (0.26-0.28) or a block-outermost one (0.29 on),
+    # every layer's block side by side in one kvcached buffer; FlashAttention reads KV by block stride.
+    block_outer = finish(
+        start_engine(
+            tiny_model,
+            *GPU,
+            "--name",
+            "gpu-block-outer",
+            env={**IN_PROCESS, "KVCACHED_PAGE_BYTES": "2M", "KVCACHED_KV_LAYOUT": "block-outer"},
+        )
+    )
+    return {"vanilla": vanilla, "elastic": elastic, "block-outer": block_outer}
 
 
-def test_greedy_tokens_equal_vllm_without_kvcached(runs):
-    """Same prompts, same batches (the engine steps are compared first): the same greedy tokens."""
-    vanilla, elastic = runs["vanilla"], runs["elastic"]
+@pytest.mark.parametrize("side", ["elastic", "block-outer"])
+def test_greedy_tokens_equal_vllm_without_kvcached(runs, side):
+    """Same prompts, same batches (the engine steps are compared first): the same greedy tokens, with vLLM's
+    layout and with the block-outer one."""
+    vanilla, elastic = runs["vanilla"], runs[side]
     assert len(vanilla["tokens"]) == 64
     assert elastic["steps"] == vanilla["steps"], "the scheduler batched the prompts differently with kvcached"
     differ = [i for i, (a, b) in enumerate(zip(vanilla["tokens"], elastic["tokens"], strict=True)) if a != b]
     assert not differ, f"prompts {differ} differ with kvcached"
+
+
+def test_block_outer_is_one_buffer_of_whole_blocks(runs):
+    """The block-outer engine's KV cache is one kvcached buffer (vLLM's is one per layer), and it grew."""
+    log = runs["block-outer"]["log"]
+    assert "in 1 buffers are elastic" in log and "keeping vLLM's KV layout" not in log
+    assert "in 1 buffers are elastic" not in runs["elastic"]["log"]
+    [pool] = runs["block-outer"]["pools_at_start"]
+    assert max(s["mapped"] for s in runs["block-outer"]["samples"]) > pool["mapped_bytes"], "serving mapped nothing"
 
 
 def test_the_kv_cache_is_elastic_on_the_gpu(runs):

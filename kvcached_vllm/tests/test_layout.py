@@ -12,25 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import for_releases, unpatched
 
 from kvcached_vllm.patches import FLAT, PER_TENSOR
 
 N, PAGE = 256, 16 * 2 * 32 * 2 * 4  # blocks; bytes of one block of one layer (16 tokens, 2 heads x 32, K and V)
 
 
-def installed() -> str:
-    from kvcached_vllm import SUPPORT
-
-    return SUPPORT.installed_version()
-
-
-def unpatched(function):
-    """vLLM's own function, also when an earlier test in this process installed kvcached's patches."""
-    return getattr(function, "__wrapped__", function)
-
-
-flat_era = pytest.mark.skipif(installed() not in FLAT, reason="one flat KV buffer: vLLM 0.29 on")
-per_tensor_era = pytest.mark.skipif(installed() not in PER_TENSOR, reason="one KV buffer per tensor: vLLM 0.26-0.28")
+flat_era = for_releases(FLAT, "one flat KV buffer: vLLM 0.29 on")
+per_tensor_era = for_releases(PER_TENSOR, "one KV buffer per tensor: vLLM 0.26-0.28")
 
 
 def layer_outer_config():

@@ -50,6 +50,16 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+KV_LAYOUTS = ("engine", "block-outer")
+
+
+def _kv_layout(text: str) -> str:
+    value = text.strip().lower()
+    if value not in KV_LAYOUTS:
+        raise ValueError(f"{text!r} is not a KV layout; use {' or '.join(KV_LAYOUTS)}")
+    return value
+
+
 def _default_runtime_dir() -> str:
     base = os.environ.get("XDG_RUNTIME_DIR")
     if base and os.path.isdir(base):
@@ -81,6 +91,7 @@ class Settings:
     watch_interval_ms: int = 10
     prefix_cache_bytes: int = 512 << 20
     prefix_cache_floor_bytes: int = 0
+    kv_layout: str = "engine"
     runtime_dir: str | None = None
 
     def resolved_runtime_dir(self) -> str:
@@ -139,6 +150,13 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_PREFIX_CACHE_FLOOR_BYTES",
         _size,
         "cached-prefix memory an idle engine keeps when another engine on its device is short of memory",
+    ),
+    "kv_layout": Setting(
+        "KVCACHED_KV_LAYOUT",
+        _kv_layout,
+        "engine: the engine's own KV layout (vLLM: one buffer per layer); block-outer: every layer's K and V of a "
+        "block side by side (vLLM with an attention backend that reads KV by block stride, e.g. FlashAttention), "
+        "so a page gives back whole blocks of all layers: a unit 1/layers of the engine layout's",
     ),
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",

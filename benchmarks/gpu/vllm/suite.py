@@ -5,9 +5,10 @@
 Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 
 - ``offline``: offline throughput of fresh engines, one per side of ``--sides`` (vanilla, kvcached, kvcached
-  with 2 MiB pages, kvcached keeping its memory mapped) in each of ``--rounds`` rounds, the order reversed
-  every other round; each engine the median of three timed batches with kvcached's map and unmap calls per
-  batch; the ratio to vanilla pair by pair (median and range) and over every batch pooled.
+  with 2 MiB pages, kvcached keeping its memory mapped, kvcached with the block-outer layout) in each of
+  ``--rounds`` rounds, the order reversed every other round; each engine the median of three timed batches
+  with kvcached's map and unmap calls per batch; the ratio to vanilla pair by pair (median and range) and
+  over every batch pooled.
 - ``identity``: greedy tokens of fresh engines alternating without/with kvcached, prefix caching off and on,
   every engine core in-process, where both sides batch alike: every token must be identical.
 - ``backstop``: greedy tokens of kvcached with the backstop off (``KVCACHED_BACKSTOP=0``) against vanilla.
@@ -499,6 +500,8 @@ SERVER_SIDES = [
     ("kvcached-2M", True, {"KVCACHED_PAGE_BYTES": "2M"}),
     # a reclaim window of 10 minutes: what kvcached costs with its memory kept mapped (no unmap, no re-map)
     ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
+    # every layer's block side by side in one buffer: a page moves 1/layers of what it moves otherwise
+    ("kvcached-block-outer", True, {"KVCACHED_KV_LAYOUT": "block-outer"}),
 ]
 DEFAULT_SIDES = "vanilla,kvcached,kvcached-2M"
 

