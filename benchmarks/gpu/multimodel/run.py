@@ -1,6 +1,7 @@
 """Several models on one GPU: kvcached against static partitioning, the same bursty traffic, the same seeds.
 
-    python run.py both    --models 2|3 --out DIR [--duration 120]    static, then elastic, then compare
+    python run.py both    --models 2|3 --out DIR [--duration 120] [--pattern staggered|aligned]
+                                                                      static, then elastic, then compare
     python run.py static  --models 2|3 --out DIR [--duration 120]    vLLM servers, each a fixed slice
     python run.py elastic --models 2|3 --out DIR [--duration 120]    vLLM servers with kvcached
     python run.py compare --models 2|3 --out DIR                      the two runs side by side: JSON and PNG
@@ -15,7 +16,9 @@ three) and starts them at the same moment.
 
 The traffic (``schedule``): per model, Poisson arrivals whose rate switches between idle (``--idle-rate``)
 and a burst (``--burst-rate``, ``--burst-s`` long) once every ``--period-s``, the models' bursts evenly
-out of phase; prompt lengths 256 to 3072 tokens (median ~1500) and output lengths 128 to 1024, drawn from
+out of phase (``--pattern staggered``) or all at once (``--pattern aligned``: every engine wants memory at
+the same moment, the pattern where elastic memory has the least to give); prompt lengths 256 to 3072 tokens
+(median ~1500) and output lengths 128 to 1024, drawn from
 fixed seeds: a burst of the 8B-like model wants more KV than a static slice holds. Every
 request records its arrival, first token and finish; the elastic run also samples each engine's mapped KV
 every 50 ms. ``compare`` writes per model TTFT/TPOT p50/p99, SLO attainment (TTFT <= ``--slo-s``) and
@@ -91,11 +94,12 @@ class Arrival:
 
 def schedule(index: int, count: int, args: argparse.Namespace) -> list[Arrival]:
     """Model ``index``'s arrivals over ``args.duration`` seconds: Poisson at the idle rate, at the burst rate
-    for ``burst_s`` of every ``period_s``; model i's bursts start i/count of a period later than model 0's.
+    for ``burst_s`` of every ``period_s``; model i's bursts start i/count of a period later than model 0's
+    (``--pattern staggered``) or with model 0's (``aligned``).
     Drawn by thinning (candidates at the burst rate, each kept with probability rate(t)/burst rate), so an
     idle gap cannot step over part of a burst."""
     rng = random.Random(1000 + index)
-    offset = args.period_s * index / count
+    offset = args.period_s * index / count if args.pattern == "staggered" else 0.0
     top = max(args.burst_rate, args.idle_rate)
     arrivals, t = [], 0.0
     while True:
@@ -171,7 +175,9 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         "config": config,
         "models": [s.name for s in shapes],
         "gpu_memory_utilization": float(util),
-        "traffic": {k: getattr(args, k) for k in ("duration", "period_s", "burst_s", "burst_rate", "idle_rate")},
+        "traffic": {
+            k: getattr(args, k) for k in ("pattern", "duration", "period_s", "burst_s", "burst_rate", "idle_rate")
+        },
         "requests_planned": [len(p) for p in plans],
     }
     harness.wait_for_empty_gpus()
@@ -182,7 +188,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
             if not elastic:  # a static slice is checked against free memory at start: one at a time
                 servers[-1].wait_ready()
         result["startup_s"] = {s.name: s.wait_ready() for s in servers}
-        harness.log(f"{config} x{count}: all up {result['startup_s']}")
+        harness.log(f"{run_name(args, config)}: all up {result['startup_s']}")
         sampler = harness.Sampler([s.name for s in servers]) if elastic else None
         with tempfile.TemporaryDirectory() as folder:
             begin, records = replay_all(servers, plans, folder)
@@ -211,13 +217,19 @@ def model_stats(records: list[dict], model: int, slo_s: float, duration: float) 
     }
 
 
+def run_name(args: argparse.Namespace, what: str) -> str:
+    """``static_x2``, ``multimodel_x3``, ...; ``-aligned`` added for the aligned pattern."""
+    return f"{what}_x{args.models}" + ("" if args.pattern == "staggered" else f"-{args.pattern}")
+
+
 def compare(args: argparse.Namespace) -> dict:
     """Both configurations' per-model figures, elastic over static, and the PNG."""
     runs = {}
     for config in ("static", "elastic"):
-        path = os.path.join(args.out, f"{config}_x{args.models}.json")
+        path = os.path.join(args.out, f"{run_name(args, config)}.json")
         if not os.path.exists(path):
-            raise SystemExit(f"run.py compare: no {path}; run `run.py {config} --models {args.models}` first")
+            command = f"run.py {config} --models {args.models} --pattern {args.pattern}"
+            raise SystemExit(f"run.py compare: no {path}; run `{command}` first")
         with open(path) as f:
             runs[config] = json.load(f)
     models = runs["static"]["models"]
@@ -231,7 +243,7 @@ def compare(args: argparse.Namespace) -> dict:
         summary["per_model"][name] = row
     summary["preemptions"] = {c: runs[c].get("preemptions") for c in runs}
     summary["errors"] = {c: runs[c]["error"] for c in runs if "error" in runs[c]}
-    plot(runs, summary, os.path.join(args.out, f"multimodel_x{args.models}.png"))
+    plot(runs, summary, os.path.join(args.out, f"{run_name(args, 'multimodel')}.png"))
     return summary
 
 
@@ -274,6 +286,12 @@ def main() -> int:
     parser.add_argument("--burst-rate", type=float, default=40.0, help="requests/s in a burst (default 40)")
     parser.add_argument("--idle-rate", type=float, default=0.5, help="requests/s between bursts (default 0.5)")
     parser.add_argument("--slo-s", type=float, default=1.0, help="the TTFT objective (default 1 s)")
+    parser.add_argument(
+        "--pattern",
+        choices=["staggered", "aligned"],
+        default="staggered",
+        help="bursts evenly out of phase (default) or all at once; files of the aligned run end in -aligned",
+    )
     args = parser.parse_args()
     for name in ("duration", "period_s", "burst_s", "burst_rate", "idle_rate", "slo_s"):
         if getattr(args, name) <= 0:
@@ -282,13 +300,13 @@ def main() -> int:
         parser.error("--burst-s must be shorter than --period-s")
     os.makedirs(args.out, exist_ok=True)
     if args.command == "compare":
-        harness.write(args.out, f"multimodel_x{args.models}", compare(args))
+        harness.write(args.out, run_name(args, "multimodel"), compare(args))
         return 0
     harness.TOTAL = harness.gpu_bytes((args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
     failed = False
     for config in ("static", "elastic") if args.command == "both" else (args.command,):
         result = run_config(args, config)
-        harness.write(args.out, f"{config}_x{args.models}", result)
+        harness.write(args.out, run_name(args, config), result)
         records, duration = result.get("requests", []), result["traffic"]["duration"]
         brief = {name: model_stats(records, i, args.slo_s, duration) for i, name in enumerate(result["models"])}
         print(
@@ -303,7 +321,7 @@ def main() -> int:
         )
         failed = failed or "error" in result
     if args.command == "both" and not failed:
-        harness.write(args.out, f"multimodel_x{args.models}", compare(args))
+        harness.write(args.out, run_name(args, "multimodel"), compare(args))
     return 1 if failed else 0
 
 
