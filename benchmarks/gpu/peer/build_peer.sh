@@ -6,9 +6,9 @@
 #
 # Offline: pip runs with --no-build-isolation --no-deps, so nothing is downloaded; python3 (or $PYTHON) must
 # have a CUDA build of torch and setuptools, and a CUDA toolkit (nvcc, cuda.h) must be installed. The
-# sources are built from a scratch copy, so PEER_SRC_DIR stays as extracted. The peer's runtime dependencies
-# (numpy, posix_ipc, wrapt) are not installed: the parts growth_peer.py imports need none of them, and the
-# peer's .pth hook lands in TARGET_DIR, where Python never reads .pth files from a PYTHONPATH entry.
+# sources are built from a scratch copy, so PEER_SRC_DIR stays as extracted. Of the peer's runtime
+# dependencies, numpy and wrapt are taken from the machine and posix_ipc from PEER_SRC_DIR/wheels (see below);
+# growth_peer.py needs none of them.
 # Exit status: 0 built and importable, 1 the build or the import failed, 2 bad arguments or something missing
 # (nvcc, a CUDA torch, setuptools, the driver's libcuda), each said in one line.
 set -euo pipefail
@@ -111,6 +111,23 @@ echo "$me: building kvcached.vmm_ops against torch $torch_version with $("$nvcc"
 # --upgrade: a second build replaces the first in TARGET_DIR instead of being refused.
 (cd "$work" && MAX_JOBS=${MAX_JOBS:-$(nproc)} "$py" -m pip install --no-build-isolation --no-deps --upgrade \
   --target "$target" "$work/src") || die 1 "pip could not build the peer (its output is above)"
+
+# Serving through vLLM needs two more things. The peer's runtime dependency posix_ipc, which the GPU image lacks:
+# wheels put in PEER_SRC_DIR/wheels (they travel with the sources) are installed into TARGET_DIR, offline.
+# And its .pth hook, which loads its vLLM patches when vLLM is imported (with ENABLE_KVCACHED=true): Python
+# reads .pth files from site directories only, so TARGET_DIR/_site gets a sitecustomize.py that makes
+# TARGET_DIR one. With PYTHONPATH=TARGET_DIR/_site:TARGET_DIR:... every Python process (vLLM's engine core
+# and workers included) then starts as the peer's own install would.
+shopt -s nullglob
+wheels=("$src"/wheels/*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+  "$py" -m pip install -q --no-deps --no-index --upgrade --target "$target" "${wheels[@]}" \
+    || die 1 "could not install the wheels in $src/wheels into $target"
+fi
+mkdir -p "$target/_site"
+"$py" -c 'import sys; open(sys.argv[1], "w").write(f"import site\nsite.addsitedir({sys.argv[2]!r})\n")' \
+  "$target/_site/sitecustomize.py" "$target"
+[ -f "$target/kvcached_autopatch.pth" ] || echo "$me: note: no kvcached_autopatch.pth in $target (the peer's hook moved?)"
 
 # From / so that no folder named kvcached in the working directory can stand in for the build.
 where=$(cd / && PYTHONPATH="$target" "$py" -c 'import kvcached, kvcached.vmm_ops as v; print(v.__file__)') \

@@ -11,8 +11,8 @@
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
 # summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
 # full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
-# packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached) picks the engines of
-# offline, serve and burst; KVCACHED_BENCH_ROUNDS (default 1) runs offline's and serve's that many times,
+# packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached; `peer` builds and runs
+# the peer project too) picks the engines of offline, serve and burst; KVCACHED_BENCH_ROUNDS (default 1) runs offline's and serve's that many times,
 # alternating.
 # A failing phase does not stop the others; exit status 1 if any failed.
 #
@@ -61,6 +61,13 @@ else
   rm -f /tmp/kv/.sources-* && touch "/tmp/kv/.sources-$sources"
 fi
 export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}" KVCACHED_BENCH_KV_PATH=/tmp/kv
+# The peer project as a side of offline/serve/burst (KVCACHED_BENCH_SIDES=...,peer): built once per machine
+# from .peer-src (carried to the device; see benchmarks/gpu/peer/README.md), ~40 s.
+if [[ ",${KVCACHED_BENCH_SIDES:-}," == *",peer,"* ]] && [ ! -d /tmp/peer-kv/_site ]; then
+  echo "== build the peer into /tmp/peer-kv"
+  bash "$repo/benchmarks/gpu/peer/build_peer.sh" "$repo/.peer-src" /tmp/peer-kv > "$out/build-peer.log" 2>&1 \
+    || tail -5 "$out/build-peer.log"
+fi
 (cd /tmp && "$py" -m "kvcached_$engine.check" > "$out/check.txt" 2>&1; head -1 "$out/check.txt"
   "$py" "$repo/benchmarks/gpu/$engine/suite.py" model --out "$out")
 

@@ -5,7 +5,7 @@
 Phases (each writes DIR/<phase>.json; ``share`` also a PNG):
 
 - ``offline``: offline throughput of fresh engines, one per side of ``--sides`` (vanilla, kvcached, kvcached
-  with 2 MiB pages, kvcached keeping its memory mapped, kvcached with the block-outer layout) in each of
+  with 2 MiB pages, kvcached keeping its memory mapped, kvcached with the block-outer layout, the peer) in each of
   ``--rounds`` rounds, the order reversed every other round; each engine the median of three timed batches
   with kvcached's map and unmap calls per batch; the ratio to vanilla pair by pair (median and range) and
   over every batch pooled.
@@ -502,8 +502,19 @@ SERVER_SIDES = [
     ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
     # every layer's block side by side in one buffer: a page moves 1/layers of what it moves otherwise
     ("kvcached-block-outer", True, {"KVCACHED_KV_LAYOUT": "block-outer"}),
+    # the peer project (ovg-project/kvcached), its vLLM patches on, ours off: see peer_env
+    ("peer", False, None),
 ]
 DEFAULT_SIDES = "vanilla,kvcached,kvcached-2M"
+PEER_PATH = os.environ.get("KVCACHED_BENCH_PEER_PATH", "/tmp/peer-kv")
+
+
+def peer_env(path: str = PEER_PATH) -> dict[str, str]:
+    """The environment of a ``peer`` engine: the peer built by ``benchmarks/gpu/peer/build_peer.sh`` into
+    ``path`` first on PYTHONPATH, its ``.pth`` hook read (``path/_site``), and its switches on, as its README
+    says to run it (``ENABLE_KVCACHED=true``, ``KVCACHED_AUTOPATCH=1``); kvcached's own plugin is off."""
+    paths = [os.path.join(path, "_site"), path, os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}
 
 
 def add_sides_argument(parser: argparse.ArgumentParser) -> None:
@@ -533,6 +544,13 @@ def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if "vanilla" not in chosen or not set(chosen) <= set(names):
         parser.error(f"--sides: vanilla and any of {', '.join(names[1:])}, comma-separated")
     args.sides = [side for side in SERVER_SIDES if side[0] in chosen]  # (name, kvcached, env), in that order
+    if "peer" in chosen:
+        if not os.path.isdir(os.path.join(PEER_PATH, "_site")):
+            parser.error(
+                f"--sides peer: no peer build in {PEER_PATH}; run `bash benchmarks/gpu/peer/build_peer.sh "
+                f".peer-src {PEER_PATH}` (or set KVCACHED_BENCH_PEER_PATH)"
+            )
+        args.sides = [(name, on, peer_env() if name == "peer" else env) for name, on, env in args.sides]
 
 
 def prefix_hits(server: Server) -> tuple[float, float] | None:
