@@ -101,6 +101,17 @@ def test_pressure_from_another_process_is_seen_once(settings, tmp_path):
     assert os.stat(mine.path).st_mode & 0o777 == 0o600
 
 
+def test_a_shortfall_recorded_before_an_engine_started_is_not_news_to_it(settings, tmp_path):
+    """An engine starting on a device whose record holds an old shortfall (its engine may be gone) does not
+    give memory back for it; the next shortfall is news."""
+    signal_in_child(tmp_path)
+    late = DevicePressure(settings, "cuda:0")
+    assert late.read().sequence == 1 and late.poll() is None
+    signal_in_child(tmp_path)
+    seen = late.poll()
+    assert seen is not None and seen.sequence == 2
+
+
 def test_a_foreign_or_corrupt_pressure_record_is_ignored_and_left_alone(settings, caplog):
     record = DevicePressure(settings, "cuda:0")
     with open(record.path, "wb") as f:

@@ -56,8 +56,11 @@ class DevicePressure:
     def __init__(self, settings: Settings, device: str) -> None:
         self.device = host_device_label(device)
         self.path = os.path.join(pressure_dir(settings), self.device.replace(":", "-"))
-        self._seen = 0
         self._warned = False
+        # A shortfall recorded before this object existed is not news (its engine may be long gone; one still
+        # short signals again at its next failed allocation, within 50 ms), so the record's sequence is seen.
+        last = self.read()
+        self._seen = last.sequence if last else 0
 
     def signal(self) -> None:
         """Record that this process could not get memory on the device (bumps the sequence)."""
