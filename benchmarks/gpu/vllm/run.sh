@@ -12,9 +12,9 @@
 # summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
 # full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
 # packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached; `peer` builds and runs
-# the peer project too) picks the engines of offline, serve and burst; KVCACHED_BENCH_ROUNDS (default 1) runs offline's and serve's that many times,
-# alternating.
-# A failing phase does not stop the others; exit status 1 if any failed.
+# the peer project too) picks the engines of offline, serve and burst; KVCACHED_BENCH_ROUNDS (default 1) runs
+# offline's and serve's that many times, alternating. A failing phase does not stop the others; exit status
+# 1 if any failed.
 #
 # KVCACHED_BENCH_ENGINE=sglang (what benchmarks/gpu/sglang/run.sh sets) runs the SGLang harness instead:
 # benchmarks/gpu/sglang/suite.py's phases, work folder /tmp/kvbench-sglang. Both plugins are installed
@@ -63,9 +63,10 @@ fi
 export PYTHONPATH="/tmp/kv${PYTHONPATH:+:$PYTHONPATH}" KVCACHED_BENCH_KV_PATH=/tmp/kv
 # The peer project as a side of offline/serve/burst (KVCACHED_BENCH_SIDES=...,peer): built once per machine
 # from .peer-src (carried to the device; see benchmarks/gpu/peer/README.md), ~40 s.
-if [[ ",${KVCACHED_BENCH_SIDES:-}," == *",peer,"* ]] && [ ! -d /tmp/peer-kv/_site ]; then
-  echo "== build the peer into /tmp/peer-kv"
-  bash "$repo/benchmarks/gpu/peer/build_peer.sh" "$repo/.peer-src" /tmp/peer-kv > "$out/build-peer.log" 2>&1 \
+peer="${KVCACHED_BENCH_PEER_PATH:-/tmp/peer-kv}"  # where suite.py looks for it too
+if [[ ",${KVCACHED_BENCH_SIDES:-}," == *",peer,"* ]] && [ ! -d "$peer/_site" ]; then
+  echo "== build the peer into $peer"
+  bash "$repo/benchmarks/gpu/peer/build_peer.sh" "$repo/.peer-src" "$peer" > "$out/build-peer.log" 2>&1 \
     || tail -5 "$out/build-peer.log"
 fi
 (cd /tmp && "$py" -m "kvcached_$engine.check" > "$out/check.txt" 2>&1; head -1 "$out/check.txt"

@@ -12,6 +12,19 @@ import os
 import sys
 
 BULKY = {"tokens", "samples", "stdout_tail", "runs"}
+# What the short table shows of a phase: these keys, and every side's ratios to vanilla (offline's
+# ratio_<side>, ratio_range_<side>, pooled_ratio_<side>).
+BRIEF = {
+    "identity",
+    "backstop_off",
+    "error",
+    "handover",
+    "sum_of_peaks_over_gpu",
+    "max_mapped_2s_after",
+    "failed",
+    "ttft_p50_ratio",
+}
+BRIEF_PREFIXES = ("ratio_", "pooled_ratio_")
 
 
 def strip(value):
@@ -36,25 +49,7 @@ def main(argv: list[str]) -> int:
     print(json.dumps(summary, indent=1))
     for name, phase in summary.items():
         if isinstance(phase, dict):
-            brief = {
-                k: v
-                for k, v in phase.items()
-                if k
-                in (
-                    "identity",
-                    "throughput_ratio_mean",
-                    "backstop_off",
-                    "error",
-                    "handover",
-                    "sum_of_peaks_over_gpu",
-                    "max_mapped_2s_after",
-                    "failed",
-                    "ttft_p50_ratio",
-                    "ratio_kvcached",
-                    "ratio_range_kvcached",
-                    "pooled_ratio_kvcached",
-                )
-            }
+            brief = {k: v for k, v in phase.items() if k in BRIEF or k.startswith(BRIEF_PREFIXES)}
             print(f"{name}: {json.dumps(brief)[:600]}", file=sys.stderr)
     return 0
 
