@@ -94,6 +94,7 @@ class Driver:
         ctx = ctypes.c_void_p()
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev.value)
         self.call("cuCtxSetCurrent", ctx)
+        self.ctx = ctx  # another thread makes it current before its own calls
         self.prop = AllocationProp(type=1, location=Location(type=1, id=dev.value))  # pinned, on this device
         self.access = AccessDesc(location=Location(type=1, id=dev.value), flags=3)  # read + write
 
