@@ -10,6 +10,7 @@ import torch
 from conftest import rss_bytes, wait_for
 
 import kvcached_core as kc
+from kvcached_core import backends
 from kvcached_core.workload import Workload
 
 MiB = 1024 * 1024
@@ -126,6 +127,42 @@ def test_host_budget_is_shared_between_processes(tmp_path, settings):
             mgr.close()
     finally:
         other.kill()
+
+
+def test_every_manager_leaves_the_device_headroom_free(tmp_path):
+    """``KVCACHED_DEVICE_HEADROOM``: managers stop mapping that far above empty, counting what another process
+    (without a headroom of its own) holds, and refuse as a miss, never an error; what is freed comes back."""
+    runtime = str(tmp_path / "rt")
+    budget = 64 * MiB  # 8 logical pages of 8 MiB
+    other = start_holder(runtime, budget, 32 * 3)  # 24 MiB in another process
+    s = kc.load_settings({"KVCACHED_DEVICE_HEADROOM": "16M"}, runtime_dir=runtime, host_device_bytes=budget)
+    kw = dict(device="cpu", settings=s, reserved_pages=0, pool_target=0)
+    a = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="a", **kw)
+    b = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="b", **kw)
+    try:
+        assert backends.get_backend("cpu", s).headroom == 16 * MiB
+        assert other.ready_line == "ready"
+        assert a.alloc(32 * 3) is not None  # 24 MiB: the other's 24 + these 24 + 16 MiB of headroom = 64
+        assert a.alloc(1) is None and b.alloc(1) is None  # one more page would leave 8 MiB free
+        assert a.available_size() == 0 and b.available_size() == 0
+        assert a.snapshot()["mapped_bytes"] + b.snapshot()["mapped_bytes"] == 24 * MiB
+        assert other.ask("free") == "ok"
+        assert wait_for(lambda: other.ask("snap").split()[0] == "0")  # 24 MiB back on the device
+        assert wait_for(lambda: b.available_size() == 32 * 3, timeout=2)
+        assert b.alloc(32 * 3) is not None and b.alloc(1) is None
+    finally:
+        a.close()
+        b.close()
+        other.kill()
+
+
+def test_headroom_defaults_to_none_on_the_host_and_parses_sizes():
+    assert kc.load_settings({}).device_headroom_bytes is None
+    assert backends.device_headroom("host", kc.load_settings({})) == 0
+    assert backends.device_headroom("cuda", kc.load_settings({})) == 1 << 30
+    assert backends.device_headroom("cuda", kc.load_settings({"KVCACHED_DEVICE_HEADROOM": "0"})) == 0
+    with pytest.raises(kc.ConfigError, match="KVCACHED_DEVICE_HEADROOM='lots'"):
+        kc.load_settings({"KVCACHED_DEVICE_HEADROOM": "lots"})
 
 
 def proc_state(pid: int) -> str:

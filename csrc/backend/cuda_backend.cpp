@@ -1,5 +1,7 @@
 #include "backend/cuda_backend.h"
 
+#include <algorithm>
+
 #include "backend/cuda_driver.h"
 #include "common/errors.h"
 
@@ -9,7 +11,8 @@ namespace {
 const CudaDriver& drv() { return CudaDriver::get(); }
 }  // namespace
 
-CudaBackend::CudaBackend(int device_index, bool backstop) : index_(device_index) {
+CudaBackend::CudaBackend(int device_index, bool backstop, std::size_t headroom)
+    : MemoryBackend(headroom), index_(device_index) {
   const CudaDriver& d = drv();
   int count = 0;
   KVCACHED_CU(d.cuDeviceGetCount(&count));
@@ -173,8 +176,9 @@ std::size_t CudaBackend::allocatable_bytes() {
   // number of mappings: benchmarks/gpu/probe_margin.py). Engines admit work from this figure, so it must not
   // promise a page that cuMemCreate then refuses.
   constexpr std::size_t kDriverReserve = 8u << 20;
+  const std::size_t keep = std::max(kDriverReserve, headroom());
   const std::size_t free = mem_info().free_bytes;
-  return free > kDriverReserve ? free - kDriverReserve : 0;
+  return free > keep ? free - keep : 0;
 }
 
 void CudaBackend::zero(std::uintptr_t addr, std::size_t bytes) {

@@ -23,7 +23,7 @@ namespace kvcached {
 class CudaBackend final : public MemoryBackend {
  public:
   // Throws InvalidArgument for a device index out of range, BackendError when the device cannot do VMM.
-  explicit CudaBackend(int device_index, bool backstop = false);
+  explicit CudaBackend(int device_index, bool backstop = false, std::size_t headroom = 0);
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }

@@ -42,8 +42,8 @@ bool injected_failure(std::atomic<std::int64_t>& countdown) {
 }
 }  // namespace
 
-HostBackend::HostBackend(const std::string& budget_path, std::size_t budget_bytes)
-    : granularity_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))) {
+HostBackend::HostBackend(const std::string& budget_path, std::size_t budget_bytes, std::size_t headroom)
+    : MemoryBackend(headroom), granularity_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))) {
   if (!budget_path.empty()) budget_ = std::make_unique<HostBudget>(budget_path, budget_bytes);
 }
 
@@ -105,7 +105,7 @@ void HostBackend::release(PhysHandle handle, std::size_t bytes) noexcept {
 void HostBackend::zero(std::uintptr_t addr, std::size_t bytes) { std::memset(reinterpret_cast<void*>(addr), 0, bytes); }
 
 std::size_t HostBackend::allocatable_bytes() {
-  return budget_ ? mem_info().free_bytes : std::numeric_limits<std::size_t>::max() / 2;
+  return budget_ ? above_headroom(mem_info().free_bytes) : std::numeric_limits<std::size_t>::max() / 2;
 }
 
 MemInfo HostBackend::mem_info() {

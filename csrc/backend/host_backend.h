@@ -22,7 +22,8 @@ class HostBackend final : public MemoryBackend {
  public:
   // With `budget_path` empty, physical memory is whatever the OS gives; otherwise every process using the
   // same ledger shares `budget_bytes` (see HostBudget).
-  HostBackend(const std::string& budget_path, std::size_t budget_bytes);
+  // `headroom` applies to a budget only: without one the OS decides (see allocatable_bytes()).
+  HostBackend(const std::string& budget_path, std::size_t budget_bytes, std::size_t headroom = 0);
 
   std::string name() const override { return "host"; }
   DeviceKind device_kind() const override { return DeviceKind::kCpu; }

@@ -62,8 +62,21 @@ class MemoryBackend {
   // Free and total physical memory of the device. Not on the hot path: callers cache it.
   virtual MemInfo mem_info() = 0;
 
-  // How much more create() can be expected to give: free device memory for CUDA and for a host budget.
-  virtual std::size_t allocatable_bytes() { return mem_info().free_bytes; }
+  // How much more create() can be expected to give: free device memory less headroom(), for CUDA and for a
+  // host budget.
+  virtual std::size_t allocatable_bytes() { return above_headroom(mem_info().free_bytes); }
+
+  // Device memory that KV caches leave free for the engines' own allocations (activations beyond what they
+  // hold, library workspaces): a KV cache that took the last MiB would make the engine's next torch
+  // allocation fail. Every manager on the device stops growing this far above empty.
+  std::size_t headroom() const noexcept { return headroom_; }
+
+ protected:
+  explicit MemoryBackend(std::size_t headroom = 0) : headroom_(headroom) {}
+  std::size_t above_headroom(std::size_t free) const noexcept { return free > headroom_ ? free - headroom_ : 0; }
+
+ private:
+  std::size_t headroom_;
 };
 
 }  // namespace kvcached

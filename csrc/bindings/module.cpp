@@ -262,6 +262,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("name", &MemoryBackend::name)
       .def_property_readonly("granularity", &MemoryBackend::granularity)
       .def_property_readonly("device_index", &MemoryBackend::device_index)
+      .def_property_readonly("headroom", &MemoryBackend::headroom,
+                             "Device memory the KV caches leave free for the engines' own allocations.")
       .def(
           "mem_info",
           [](MemoryBackend& b) {
@@ -271,7 +273,8 @@ PYBIND11_MODULE(_native, m) {
           "(free_bytes, total_bytes) of the device (or of the host budget).");
 
   py::class_<HostBackend, MemoryBackend, std::shared_ptr<HostBackend>>(m, "HostBackend")
-      .def(py::init<const std::string&, std::size_t>(), py::arg("budget_path") = "", py::arg("budget_bytes") = 0)
+      .def(py::init<const std::string&, std::size_t, std::size_t>(), py::arg("budget_path") = "",
+           py::arg("budget_bytes") = 0, py::arg("headroom") = 0)
       .def("_fail_map_after", &HostBackend::fail_map_after, py::arg("n"),
            "Testing aid: the n-th map from now fails with BackendError (n <= 0 cancels).")
       .def("_fail_unmap_after", &HostBackend::fail_unmap_after, py::arg("n"),
@@ -279,8 +282,10 @@ PYBIND11_MODULE(_native, m) {
 
 #ifdef KVCACHED_WITH_CUDA
   py::class_<CudaBackend, MemoryBackend, std::shared_ptr<CudaBackend>>(m, "CudaBackend")
-      .def(py::init<int, bool>(), py::arg("device_index"), py::arg("backstop") = false,
-           "backstop=True backs every unmapped page with one shared zeroed granule: stray reads see zeros.")
+      .def(py::init<int, bool, std::size_t>(), py::arg("device_index"), py::arg("backstop") = false,
+           py::arg("headroom") = 0,
+           "backstop=True backs every unmapped page with one shared zeroed granule: stray reads see zeros; "
+           "headroom: device memory that mapping never takes.")
       .def_property_readonly("backstop", &CudaBackend::backstop);
   m.def("cuda_unavailable_reason", &CudaDriver::unavailable_reason,
         "Why the CUDA backend cannot be used here, or '' when it can.");

@@ -47,6 +47,19 @@ void PagePool::note_created() noexcept {
   created_.fetch_add(1, std::memory_order_release);
 }
 
+std::optional<PhysHandle> PagePool::create_handle() {
+  // The cached figure lags other processes' growth by up to one refresh, and a burst maps GiBs in that time:
+  // close to the backend's headroom, read the device before each create so as not to eat into it.
+  constexpr std::size_t kReadDeviceBelow = std::size_t{4} << 30;
+  if (free_bytes_.load(std::memory_order_relaxed) < config_.handle_bytes + kReadDeviceBelow) {
+    refresh_free_bytes();
+    if (free_bytes_.load(std::memory_order_relaxed) < config_.handle_bytes) return std::nullopt;
+  }
+  std::optional<PhysHandle> h = backend_->create(config_.handle_bytes);
+  if (h) note_created();
+  return h;
+}
+
 std::optional<PhysHandle> PagePool::take() {
   // No wake-up for the thread: it polls, and refills only once takes have stopped (see the header).
   last_take_ns_.store(now_ns(), std::memory_order_relaxed);
@@ -59,11 +72,7 @@ std::optional<PhysHandle> PagePool::take() {
       return h;
     }
   }
-  auto h = backend_->create(config_.handle_bytes);
-  if (h) {
-    note_created();
-    return h;
-  }
+  if (std::optional<PhysHandle> h = create_handle()) return h;
   {
     // The device is full, but the refill thread may hold the last memory in a handle it is creating: wait
     // for it, so a refill never turns into a failed allocation.
@@ -104,15 +113,11 @@ void PagePool::run() {
       lock.unlock();
       std::optional<PhysHandle> h;
       try {
-        h = backend_->create(config_.handle_bytes);
+        h = create_handle();
       } catch (...) {
         h.reset();  // a driver error here is reported by the allocation that needs the page
       }
-      if (h) {
-        note_created();
-      } else {
-        refresh_free_bytes();
-      }
+      if (!h) refresh_free_bytes();
       lock.lock();
       creating_ = false;
       cv_.notify_all();  // a take() that found the device full waits for this handle

@@ -59,6 +59,8 @@ class PagePool {
 
  private:
   void run();
+  // A new handle, or nullopt when the device has no memory above the backend's headroom.
+  std::optional<PhysHandle> create_handle();
 
   std::shared_ptr<MemoryBackend> backend_;
   PagePoolConfig config_;

@@ -95,5 +95,8 @@ def test_the_kv_cache_is_elastic_on_the_gpu(runs):
     # Mapped at start: the null block's page in each buffer (and the page pool's ready handles), a sliver.
     assert 0 < pool["mapped_bytes"] <= pool["virtual_bytes"] // 64
     assert "mapped in this process" in runs["elastic"]["log"]  # the direct path
+    # Its activation peak stays in torch's cache: other engines' KV caches cannot take it.
+    assert "torch holds this engine's activation peak" in runs["elastic"]["log"]
+    assert "torch holds this engine's activation peak" not in runs["vanilla"]["log"]
     peak = max(s["mapped"] for s in runs["elastic"]["samples"])
     assert peak > pool["mapped_bytes"], "serving mapped nothing"

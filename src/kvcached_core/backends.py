@@ -94,35 +94,50 @@ def planner_backend(device: DeviceLike, settings: Settings) -> _native.PlannerBa
     return _native.PlannerBackend("cuda" if kind == "cuda" else "cpu", index, granularity)
 
 
+# What a CUDA device keeps free by default (KVCACHED_DEVICE_HEADROOM): room for what engines allocate while
+# they serve beyond the activation peak they hold (kernel workspaces, sampler buffers of a new batch shape,
+# cuBLAS and NCCL buffers); 0.7 % of an H200. On the host, engines' own memory is not in the budget.
+CUDA_HEADROOM_BYTES = 1 << 30
+
+
+def device_headroom(kind: str, settings: Settings) -> int:
+    """The headroom of a device of ``kind`` ("host" or "cuda"): the setting, or the kind's default."""
+    if settings.device_headroom_bytes is not None:
+        return settings.device_headroom_bytes
+    return CUDA_HEADROOM_BYTES if kind == "cuda" else 0
+
+
 def get_backend(device: DeviceLike, settings: Settings) -> _native.MemoryBackend:
     """The process-wide backend for ``device`` (created on first use)."""
     kind, index = parse_device(device)
+    headroom = device_headroom(kind, settings)
     if kind == "host":
         budget = settings.host_device_bytes
         path = ""
         if budget:
             path = os.path.join(ensure_runtime_dir(settings.resolved_runtime_dir()), "host-device.ledger")
-        key: tuple = ("host", path, budget)
+        key: tuple = ("host", path, budget, headroom)
     else:
         reason = cuda_unavailable_reason()
         if reason:
             raise RuntimeError(f"device {device!r} is not usable: {reason}; use device='cpu' for the host backend")
-        key = ("cuda", index, settings.backstop)
+        key = ("cuda", index, settings.backstop, headroom)
     with _lock:
         backend = _backends.get(key)
         if backend is None and kind == "host" and path:
             # One ledger slot per process: a second budget for the same ledger would claim the process's
             # slot again and undo the first one's accounting.
-            other = next((k[2] for k in _backends if k[:2] == ("host", path)), None)
+            other = next((k[2:] for k in _backends if k[:2] == ("host", path)), None)
             if other is not None:
                 raise ConfigError(
-                    f"KVCACHED_HOST_DEVICE_BYTES={budget} for a manager of this process, which already uses "
-                    f"{other} with the same ledger ({path}); give every manager of a process the same host budget"
+                    f"KVCACHED_HOST_DEVICE_BYTES={budget} and KVCACHED_DEVICE_HEADROOM={headroom} for a manager "
+                    f"of this process, which already uses {other[0]} and {other[1]} with the same ledger ({path}); "
+                    "give every manager of a process the same host budget and headroom"
                 )
         if backend is None:
             if kind == "host":
-                backend = _native.HostBackend(path, budget)
+                backend = _native.HostBackend(path, budget, headroom)
             else:
-                backend = _native.CudaBackend(index, settings.backstop)
+                backend = _native.CudaBackend(index, settings.backstop, headroom)
             _backends[key] = backend
         return backend

@@ -87,6 +87,7 @@ class Settings:
     zero_on_map: bool = False
     backstop: bool = True
     host_device_bytes: int = 0
+    device_headroom_bytes: int | None = None
     control: bool = True
     watch_interval_ms: int = 10
     prefix_cache_bytes: int = 512 << 20
@@ -132,6 +133,12 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_HOST_DEVICE_BYTES",
         _size,
         "size of the host memory budget shared by all host-backend processes of this user (0 = no budget)",
+    ),
+    "device_headroom_bytes": Setting(
+        "KVCACHED_DEVICE_HEADROOM",
+        _size,
+        "device memory the KV caches of every process leave free, for the engines' own allocations (activations, "
+        "library workspaces); default 1 GiB on CUDA, 0 on the host backend",
     ),
     "control": Setting(
         "KVCACHED_CONTROL", _bool, "publish a control segment per manager, for kvctl and kvtop (0 = none)"

@@ -181,7 +181,7 @@ PATCHES: tuple[Patch, ...] = (
         "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
         "around",
         startup_ends,
-        "the next engine may start once CUDA graphs are captured",
+        "the engine holds its activation peak; the next engine may start once CUDA graphs are captured",
         releases=ALL,
     ),
     Patch(

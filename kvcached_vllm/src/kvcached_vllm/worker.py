@@ -9,6 +9,7 @@ from kvcached memory, in order. That keeps one mechanism for every release: 0.26
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from kvcached_core.segment import held_by_other_processes
 from kvcached_core.startup_lock import StartupLock
 
 from . import runtime
+
+logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 
 
 class BackingMismatch(RuntimeError):
@@ -207,11 +210,55 @@ def startup_begins(original: Callable[..., Any], worker: Any, *args: Any, **kwar
         raise
 
 
+def activation_reserve_bytes(peak_activation: int | None, stats: dict[str, int]) -> int:
+    """What torch must still cache so that this engine's activation peak fits without asking the device.
+
+    ``peak_activation`` is vLLM's profiled peak (``Worker.peak_activation_memory``); without profiling
+    (``--kv-cache-memory-bytes``) it is torch's peak allocation less what is allocated now. Less what torch
+    already caches unused (``stats``: ``torch.cuda.memory_stats``)."""
+    allocated = stats.get("allocated_bytes.all.current", 0)
+    if peak_activation is None:
+        peak_activation = stats.get("allocated_bytes.all.peak", 0) - allocated
+    cached_unused = stats.get("reserved_bytes.all.current", 0) - allocated
+    return max(0, peak_activation - cached_unused)
+
+
+def hold_activation_peak(worker: Any) -> int:
+    """Make torch cache this engine's activation peak now; returns the bytes it newly holds.
+
+    vLLM without kvcached sizes its KV cache to leave the activation peak it profiled free, hands that memory
+    back to the device after profiling, and takes it again at its first large batch. With kvcached the other
+    engines' KV caches may have mapped it by then, and the engine's next activation would fail (seen on the
+    H200 with three engines: FlashAttention's workspace, 42 MiB, out of memory). A tensor of the missing
+    bytes, freed at once, stays in torch's cache for those activations."""
+    if getattr(getattr(worker.model_runner, "kv_cache_config", None), "kvcached", None) is None:
+        return 0  # vLLM's own KV cache: vLLM left the room itself
+    want = activation_reserve_bytes(
+        getattr(worker, "peak_activation_memory", None), torch.cuda.memory_stats(worker.device)
+    )
+    if want > 0:
+        try:
+            torch.empty(want, dtype=torch.uint8, device=worker.device)
+        except torch.OutOfMemoryError:
+            logger.warning(
+                "kvcached: could not hold %d MiB for this engine's activations (other engines hold the GPU); "
+                "it may run out of memory under load: start it first, or raise KVCACHED_DEVICE_HEADROOM",
+                want >> 20,
+            )
+            return 0
+    logger.info("kvcached: torch holds this engine's activation peak (%d MiB newly)", max(want, 0) >> 20)
+    return max(want, 0)
+
+
 def startup_ends(original: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``Worker.compile_or_warm_up_model`` (the last start-up step that moves device memory:
-    CUDA graph capture): release this GPU's start-up lock when it ends, however it ends."""
+    CUDA graph capture): hold the engine's activation peak (:func:`hold_activation_peak`), then release
+    this GPU's start-up lock, however it ends."""
     try:
-        return original(worker, *args, **kwargs)
+        result = original(worker, *args, **kwargs)
+        if worker.device_config.device_type == "cuda":
+            hold_activation_peak(worker)
+        return result
     finally:
         lock = getattr(worker, "_kvcached_startup_lock", None)
         if lock is not None:
