@@ -242,12 +242,12 @@ def hold_activation_peak(worker: Any) -> int:
         except torch.OutOfMemoryError:
             logger.warning(
                 "kvcached: could not hold %d MiB for this engine's activations (other engines hold the GPU); "
-                "it may run out of memory under load: start it first, or raise KVCACHED_DEVICE_HEADROOM",
+                "it may run out of memory under load: start it first, or raise every engine's KVCACHED_DEVICE_HEADROOM",
                 want >> 20,
             )
             return 0
-    logger.info("kvcached: torch holds this engine's activation peak (%d MiB newly)", max(want, 0) >> 20)
-    return max(want, 0)
+    logger.info("kvcached: torch holds this engine's activation peak (%d MiB newly)", want >> 20)
+    return want
 
 
 def startup_ends(original: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
