@@ -165,3 +165,56 @@ def test_memory_other_processes_hold_counts_mapped_pages_and_ready_handles(setti
     finally:
         child.kill()
         child.wait()
+
+
+def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkeypatch):
+    """``KVCACHED_FAIR_SHARE=1``: when another process on the device falls short, a process holding more than
+    an equal share of what the engines there hold caps its pool at that share: it serves nothing new, gives
+    back its empty pages above the cap, and does not call itself short; a second after the last shortfall
+    the cap lifts."""
+    from conftest import wait_for
+
+    from kvcached_core import KVCacheManager
+    from kvcached_core.fair_share import FairShare
+    from kvcached_core.pressure import PressureWatch
+
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_FAIR_SHARE", "1")
+    settings = load_settings()
+    MiB = 1 << 20
+    code = textwrap.dedent(
+        """
+        import sys, kvcached_core as kc
+        m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1,
+                              reserved_pages=0, pool_target=0, name="neighbour")
+        assert m.alloc(16) is not None
+        m._control.publish()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        """
+    )
+    env = dict(os.environ, KVCACHED_RUNTIME_DIR=str(tmp_path), KVCACHED_FAIR_SHARE="0")
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    mine = KVCacheManager(64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, name="mine", settings=settings)
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        held = mine.alloc(48)  # 48 MiB here, 16 MiB there: an equal share is 32 MiB
+        assert held is not None and mine.yield_cap is None
+        assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 48 * MiB))
+        signal_in_child(tmp_path, "cpu")
+        assert wait_for(lambda: mine.yield_cap == 32 * MiB)
+        assert mine.available_size() == 0 and mine.alloc(1) is None
+        assert not mine.physically_short()  # its own cap stops it: it must not make the neighbour yield
+        mine.free(held[:32])  # 16 MiB in use
+        assert wait_for(lambda: mine.snapshot()["mapped_bytes"] <= 32 * MiB)  # empty pages above the cap go
+        assert mine.alloc(16) is not None and mine.alloc(2) is None  # up to the cap, not beyond
+        assert wait_for(lambda: mine.yield_cap is None, timeout=5)  # no shortfall for a second: lifted
+        assert mine.alloc(2) is not None
+    finally:
+        watch.close()
+        mine.close()
+        child.kill()
+        child.wait()

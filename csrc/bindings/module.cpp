@@ -364,6 +364,17 @@ PYBIND11_MODULE(_native, m) {
             return limit_dict(a.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
           },
           py::arg("limit_bytes"), py::arg("revision"))
+      .def_property(
+          "yield_cap",
+          [](const BlockAllocator& a) -> std::optional<std::uint64_t> {
+            const std::uint64_t cap = a.yield_cap();
+            return cap == BlockAllocator::kNoLimit ? std::nullopt : std::optional<std::uint64_t>(cap);
+          },
+          [](BlockAllocator& a, std::optional<std::uint64_t> cap) {
+            a.set_yield_cap(cap.value_or(BlockAllocator::kNoLimit));
+          },
+          "Bytes this allocator may map while it yields memory to a neighbour (None: no such cap); binds\n"
+          "like the memory limit, which it leaves as set.")
       .def("trim", &BlockAllocator::trim, py::call_guard<py::gil_scoped_release>(),
            "Unmap every mapped page that holds no allocated block; returns the bytes unmapped.")
       .def("clear", &BlockAllocator::clear, "Free every allocated block (the null block stays reserved).")

@@ -170,7 +170,8 @@ void BlockAllocator::list_remove(std::int32_t page) {
 // ---- limit ------------------------------------------------------------------------------------------
 
 std::int64_t BlockAllocator::allowed_pages() const noexcept {
-  const std::uint64_t limit = limit_bytes_.load(std::memory_order_relaxed);
+  const std::uint64_t limit =
+      std::min(limit_bytes_.load(std::memory_order_relaxed), yield_bytes_.load(std::memory_order_relaxed));
   if (limit == kNoLimit) return std::numeric_limits<std::int64_t>::max();
   return static_cast<std::int64_t>(limit / (page_bytes_ * static_cast<std::uint64_t>(config_.num_buffers)));
 }
@@ -410,6 +411,11 @@ LimitResult BlockAllocator::set_memory_limit(std::uint64_t limit_bytes, std::opt
   const std::uint64_t used =
       static_cast<std::uint64_t>(used_pages_.load(std::memory_order_relaxed)) * logical_page_bytes();
   return {used > limit_bytes ? LimitStatus::kDeferred : LimitStatus::kApplied, limit_bytes, rev};
+}
+
+void BlockAllocator::set_yield_cap(std::uint64_t bytes) {
+  yield_bytes_.store(bytes, std::memory_order_relaxed);
+  request_reclaim();  // empty pages above a lower cap go now
 }
 
 // ---- reclaim ----------------------------------------------------------------------------------------

@@ -85,6 +85,10 @@ class BlockAllocator {
 
   // Caps the physical memory this allocator may map (kNoLimit: none) under `revision` (default: the next).
   LimitResult set_memory_limit(std::uint64_t limit_bytes, std::optional<std::uint64_t> revision);
+  // A second cap, for a policy that yields memory to a neighbour for a while (kNoLimit: none). It binds like
+  // the memory limit (the lower of the two does) but leaves the limit, and kvctl's view of it, as set.
+  void set_yield_cap(std::uint64_t bytes);
+  std::uint64_t yield_cap() const noexcept { return yield_bytes_.load(std::memory_order_relaxed); }
   // Unmaps every mapped page that holds no allocated block; returns the bytes unmapped.
   std::uint64_t trim();
   // Frees every allocated block (the null block stays reserved); pages are reclaimed as usual.
@@ -186,6 +190,7 @@ class BlockAllocator {
   std::atomic<std::int64_t> window_peak_{0};
   std::atomic<std::int64_t> previous_window_peak_{0};
   std::atomic<std::uint64_t> limit_bytes_{kNoLimit};
+  std::atomic<std::uint64_t> yield_bytes_{kNoLimit};
   std::atomic<std::uint64_t> limit_revision_{0};
   std::atomic<bool> closed_{false};
 

@@ -92,6 +92,7 @@ class Settings:
     watch_interval_ms: int = 10
     prefix_cache_bytes: int = 512 << 20
     prefix_cache_floor_bytes: int = 0
+    fair_share: bool = False
     kv_layout: str = "engine"
     runtime_dir: str | None = None
 
@@ -157,6 +158,13 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_PREFIX_CACHE_FLOOR_BYTES",
         _size,
         "cached-prefix memory an idle engine keeps when another engine on its device is short of memory",
+    ),
+    "fair_share": Setting(
+        "KVCACHED_FAIR_SHARE",
+        _bool,
+        "while another engine on the device is short of memory, an engine holding more than an equal share of "
+        "the device's KV memory stops growing and gives back down to it (preempting requests); 0 = only cached "
+        "prefixes and idle pages are given back",
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",

@@ -267,9 +267,9 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         is what stops it from handing out one more page of blocks: when that is so, other engines on the
         device giving memory back would help (:class:`kvcached_core.pressure.PressureWatch`)."""
         snap = self.snapshot()
-        limit = snap["limit_bytes"]
-        if limit is not None and snap["mapped_bytes"] + self.page_bytes * self.num_buffers > limit:
-            return False
+        caps = [c for c in (snap["limit_bytes"], self.yield_cap) if c is not None]
+        if caps and snap["mapped_bytes"] + self.page_bytes * self.num_buffers > min(caps):
+            return False  # a cap of its own (a limit, or yielding to a neighbour) stops it, not the device
         return snap["allocated_blocks"] + max(1, self.page_bytes // self.block_bytes) < snap["total_blocks"]
 
     # -- control --------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from .backends import host_device_label
 from .config import Settings
+from .fair_share import FairShare
 from .runtime_dir import runtime_subdir
 
 logger = logging.getLogger("kvcached")
@@ -162,7 +163,9 @@ class PressureWatch:
     calls ``wake()`` (an engine loop that blocks while idle needs the nudge). The engine's scheduler thread
     checks :meth:`take_pending` between its turns and gives back what its plugin's policy allows; giving back
     on the watcher thread would race the scheduler. :meth:`report_shortfall` tells the other engines when
-    this one falls short itself.
+    this one falls short itself. With ``KVCACHED_FAIR_SHARE`` the watcher thread also caps this process's
+    pools while a neighbour is short (:class:`kvcached_core.fair_share.FairShare`; the caps are atomic, so
+    no scheduler thread is needed for them).
     """
 
     MIN_SIGNAL_INTERVAL_S = 0.05  # a scheduler retries every step: one signal per 50 ms is enough
@@ -177,6 +180,7 @@ class PressureWatch:
         self.pressure = DevicePressure(settings, device)
         self.pending = threading.Event()
         self._has_spare, self._wake = has_spare, wake
+        self.fair_share = FairShare(settings, device) if settings.fair_share else None
         self._interval = settings.watch_interval_ms / 1000
         self._last_signal = 0.0
         self._stop = threading.Event()
@@ -187,10 +191,14 @@ class PressureWatch:
         while not self._stop.wait(self._interval):
             try:
                 shortfall = self.pressure.poll()
+                if shortfall is not None and self.fair_share is not None:
+                    self.fair_share.on_shortfall()
                 if shortfall is not None and self._has_spare():
                     self.pending.set()
                     if self._wake is not None:
                         self._wake()
+                if self.fair_share is not None:
+                    self.fair_share.tick()
             except Exception as exc:  # the watcher must outlive a bad read or a wake into a closing engine
                 logger.debug("kvcached: pressure watch: %s", exc)
 

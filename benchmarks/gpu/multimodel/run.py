@@ -179,6 +179,8 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
             k: getattr(args, k) for k in ("pattern", "duration", "period_s", "burst_s", "burst_rate", "idle_rate")
         },
         "requests_planned": [len(p) for p in plans],
+        # kvcached settings the engines inherit (e.g. KVCACHED_FAIR_SHARE=1 for the elastic run)
+        "kvcached_env": {k: v for k, v in os.environ.items() if k.startswith("KVCACHED_")},
     }
     harness.wait_for_empty_gpus()
     servers: list[harness.Server] = []
