@@ -19,11 +19,10 @@ A call whose ``busy_ms`` is close to ``--busy-ms`` waits for the GPU; one near i
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 
-from probe_slices import SLAB, Driver
+from probe_slices import SLAB, Driver, report
 
 MiB = 1 << 20
 
@@ -125,12 +124,7 @@ def main() -> int:
     except (ImportError, OSError, RuntimeError) as exc:
         print(f"probe_busy: no usable CUDA device here ({exc}); run it on a GPU machine")
         return 2
-    result = {"probe": "busy", "device": args.device, "calls": probe(torch, drv, args.busy_ms)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    report({"probe": "busy", "device": args.device, "calls": probe(torch, drv, args.busy_ms)}, args.out)
     return 0
 
 

@@ -222,6 +222,15 @@ def probe(drv: Driver, total: int) -> dict:
     return out
 
 
+def report(result: dict, out: str | None) -> None:
+    """Print a probe's JSON, and write it to ``out`` too when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=int, default=4, help="bytes made usable by each variant (GiB, default 4)")
@@ -233,12 +242,7 @@ def main() -> int:
     except (OSError, RuntimeError) as exc:
         print(f"probe_slices: no usable CUDA driver here ({exc}); run it on a GPU machine")
         return 2
-    result = {"probe": "slices", "device": args.device, "variants": probe(drv, args.gib << 30)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    report({"probe": "slices", "device": args.device, "variants": probe(drv, args.gib << 30)}, args.out)
     return 0
 
 
