@@ -60,7 +60,9 @@ class FairShare:
         """Another engine on the device fell short: cap this process's pools there if it holds more than an
         equal share (renewing the caps' time). Returns whether they are capped."""
         share, mine = self.share_bytes()
-        if mine <= share:
+        if mine <= share:  # at or under the share: caps set before stay, for as long as the shortfalls go on
+            if self._capped_until is not None:
+                self._capped_until = time.monotonic() + self.LIFT_S
             return self._capped_until is not None
         pools = self._my_pools()
         total = sum(m.snapshot()["mapped_bytes"] for m in pools)
