@@ -8,6 +8,7 @@ the end-to-end run with real engines is the GPU sharing benchmark (benchmarks/gp
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
 import sys
@@ -128,3 +129,56 @@ def test_a_limit_arriving_between_the_schedulers_check_and_its_allocation_does_n
         pool.free_blocks(held)
     finally:
         runtime.close_all()
+
+
+def test_with_fair_share_an_engine_above_an_equal_share_stops_taking_blocks_while_a_neighbour_is_short(
+    tmp_path, monkeypatch
+):
+    """``KVCACHED_FAIR_SHARE=1``: another process on the device (a kvcached pool holding 16 MiB) falls short
+    while this engine plans 64 MiB: vLLM's own BlockPool then reports no free blocks (its scheduler admits
+    nothing and preempts, as under ``kvctl limit``) until it is under an equal share (40 MiB), does not call
+    itself short, and counts freely again a second after the last shortfall."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_FAIR_SHARE", "1")
+    monkeypatch.setenv("KVCACHED_WATCH_INTERVAL_MS", "5")
+    from conftest import BLOCKS_PER_PAGE, elastic_pool
+    from vllm.plugins import load_general_plugins
+
+    from kvcached_vllm import runtime
+
+    code = (
+        "import sys, kvcached_core as kc\n"
+        "m = kc.KVCacheManager(64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, name='neighbour')\n"
+        "assert m.alloc(16) is not None\n"
+        "m._control.publish()\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    env = {**os.environ, "KVCACHED_FAIR_SHARE": "0"}
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    load_general_plugins()
+    runtime.close_all()
+    pool, planner = elastic_pool("busy", enable_caching=False)
+    MiB = 1 << 20
+    try:
+        assert neighbour.stdout.readline().strip() == "ready"
+        held = pool.get_new_blocks(8 * BLOCKS_PER_PAGE - 1)  # pages 0-7 with the null block: 64 MiB
+        assert planner.snapshot()["mapped_bytes"] == 64 * MiB and pool.get_num_free_blocks() > 0
+        deadline = time.monotonic() + 5
+        while planner.yield_cap is None and time.monotonic() < deadline:
+            signal_from_another_process()  # a short engine signals at every failed step
+            time.sleep(0.02)
+        assert planner.yield_cap == 40 * MiB
+        assert pool.get_num_free_blocks() == 0 and not pool.physically_short()
+        pool.free_blocks(held[-4 * BLOCKS_PER_PAGE :])  # preempted requests: 4 pages in use
+        assert pool.get_num_free_blocks() == BLOCKS_PER_PAGE  # up to the share, not beyond
+        deadline = time.monotonic() + 5
+        while planner.yield_cap is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert planner.yield_cap is None and pool.get_num_free_blocks() > BLOCKS_PER_PAGE
+    finally:
+        runtime.close_all()
+        neighbour.kill()
+        neighbour.wait()
