@@ -26,7 +26,7 @@ import time
 from . import registry
 from .backends import host_device_label
 from .config import Settings
-from .segment import scan, segment_dir
+from .segment import held_per_process
 
 logger = logging.getLogger("kvcached")
 
@@ -47,12 +47,7 @@ class FairShare:
 
     def share_bytes(self) -> tuple[int, int]:
         """(an equal share of what the kvcached engines on this device hold, what this process holds)."""
-        held: dict[int, int] = {}
-        for s in scan(segment_dir(self.settings)).live:
-            if s.info["device"] == self.device:
-                pid = s.info["owner_pid"]
-                ready = max(0, s.info["pool_ready_handles"]) * s.info["page_bytes"]
-                held[pid] = held.get(pid, 0) + s.info["mapped_bytes"] + ready
+        held = held_per_process(self.settings, self.device)
         mine = held.get(os.getpid(), 0)
         return (sum(held.values()) // len(held) if held else 0), mine
 
@@ -64,12 +59,12 @@ class FairShare:
             if self._capped_until is not None:
                 self._capped_until = time.monotonic() + self.LIFT_S
             return self._capped_until is not None
-        pools = self._my_pools()
-        total = sum(m.snapshot()["mapped_bytes"] for m in pools)
+        mapped = {m: m.snapshot()["mapped_bytes"] for m in self._my_pools()}
+        total = sum(mapped.values())
         if total == 0:
             return False
-        for m in pools:
-            m.yield_cap = m.snapshot()["mapped_bytes"] * share // total
+        for m, pool_mapped in mapped.items():
+            m.yield_cap = pool_mapped * share // total
         if self._capped_until is None:
             logger.info(
                 "kvcached: a neighbour on %s is short of memory; yielding down to an equal share (%d MiB of %d)",

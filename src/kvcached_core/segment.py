@@ -200,10 +200,17 @@ def held_by_other_processes(settings: Settings, device: str) -> int:
     address space.)
     """
     me = os.getpid()
+    return sum(held for pid, held in held_per_process(settings, device).items() if pid != me)
+
+
+def held_per_process(settings: Settings, device: str) -> dict[int, int]:
+    """Physical bytes (mapped pages and ready handles) that each process's live kvcached pools hold on
+    ``device``, by pid, this process included."""
     device = host_device_label(device)
-    found = scan(segment_dir(settings))
-    return sum(
-        s.info["mapped_bytes"] + max(0, s.info["pool_ready_handles"]) * s.info["page_bytes"]
-        for s in found.live
-        if s.info["owner_pid"] != me and s.info["device"] == device
-    )
+    held: dict[int, int] = {}
+    for s in scan(segment_dir(settings)).live:
+        if s.info["device"] == device:
+            pid = s.info["owner_pid"]
+            ready = max(0, s.info["pool_ready_handles"]) * s.info["page_bytes"]
+            held[pid] = held.get(pid, 0) + s.info["mapped_bytes"] + ready
+    return held
