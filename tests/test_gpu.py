@@ -102,11 +102,18 @@ def test_idle_pool_shrinks_back_to_its_target(cuda_manager):
     assert wait_for(lambda: mgr.snapshot()["pool_ready_handles"] == 2, timeout=3.0)
 
 
-def test_physical_exhaustion_is_a_capacity_miss(cuda_manager):
+def test_physical_exhaustion_is_a_capacity_miss(cuda_manager, settings):
     free, _total = torch.cuda.mem_get_info()
     hog = torch.empty(free - 512 * MiB, dtype=torch.uint8, device="cuda")  # another user takes the device
     try:
-        mgr = cuda_manager(num_blocks=1 << 16, block_bytes=256 * 1024, num_layers=1, num_kv_buffers=1, pool_target=0)
+        mgr = cuda_manager(
+            num_blocks=1 << 16,
+            block_bytes=256 * 1024,
+            num_layers=1,
+            num_kv_buffers=1,
+            pool_target=0,
+            settings=dataclasses.replace(settings, device_headroom_bytes=0),  # the driver's last MiB only
+        )
         got = []
         while True:
             ids = mgr.alloc(64)
@@ -122,13 +129,20 @@ def test_physical_exhaustion_is_a_capacity_miss(cuda_manager):
         torch.cuda.empty_cache()
 
 
-def test_reported_availability_is_served_on_a_nearly_full_device(cuda_manager):
+def test_reported_availability_is_served_on_a_nearly_full_device(cuda_manager, settings):
     """With another user holding all but 512 MiB, whatever available_size() reports is served in one call
     (the pool's own refill never makes it fail), and the next page is a plain miss."""
     free, _total = torch.cuda.mem_get_info()
     hog = torch.empty(free - 512 * MiB, dtype=torch.uint8, device="cuda")
     try:
-        mgr = cuda_manager(num_blocks=1 << 12, block_bytes=256 * 1024, num_layers=1, num_kv_buffers=1, reserved_pages=0)
+        mgr = cuda_manager(
+            num_blocks=1 << 12,
+            block_bytes=256 * 1024,
+            num_layers=1,
+            num_kv_buffers=1,
+            reserved_pages=0,
+            settings=dataclasses.replace(settings, device_headroom_bytes=0),
+        )
         for _ in range(5):
             reported = mgr.available_size()
             assert 0 < reported < (1 << 12)
@@ -137,6 +151,24 @@ def test_reported_availability_is_served_on_a_nearly_full_device(cuda_manager):
             mgr.free(ids)
             mgr.trim()
             assert wait_for(lambda: mgr.available_size() > 0, timeout=2.0)  # the device figure refreshed
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+
+
+def test_the_default_headroom_stays_free_on_the_device(cuda_manager):
+    """KVCACHED_DEVICE_HEADROOM's default (1 GiB on CUDA): with another user holding all but 1.5 GiB, the KV
+    cache grows by at most 512 MiB, and the device keeps at least 1 GiB free for the engines' own tensors."""
+    free, _total = torch.cuda.mem_get_info()
+    hog = torch.empty(free - 1536 * MiB, dtype=torch.uint8, device="cuda")
+    try:
+        mgr = cuda_manager(num_blocks=1 << 14, block_bytes=256 * 1024, num_layers=1, num_kv_buffers=1, pool_target=0)
+        got = []
+        while (ids := mgr.alloc(64)) is not None:
+            got.extend(ids)
+        assert 0 < len(got) * 256 * 1024 <= 512 * MiB
+        assert torch.cuda.mem_get_info()[0] >= 1024 * MiB
+        mgr.free(got)
     finally:
         del hog
         torch.cuda.empty_cache()
@@ -158,6 +190,7 @@ def test_backstop_serves_reads_of_unallocated_blocks(make_manager, settings, pag
     whole = mgr.buffer(0, 1).view(torch.int32)
     assert int(whole.abs().sum()) == 0  # every page of the buffer read, none mapped
     ids = mgr.alloc(512)
+    assert ids is not None, f"refused 512 blocks: device (free, total) {torch.cuda.mem_get_info()}, {mgr.snapshot()}"
     blocks = whole.view(4096, -1)
     blocks[torch.tensor(ids, device="cuda")] = 7
     assert int(whole.sum()) == 7 * 512 * blocks.shape[1]
@@ -185,3 +218,25 @@ def test_backstop_costs_one_page_however_large_the_reservation(make_manager, set
     assert mgr.buffer(0, 1).numel() == 32 << 30
     free_after, _ = torch.cuda.mem_get_info()
     assert free_before - free_after <= (16 + page_mib) * MiB
+
+
+def test_the_activation_peak_stays_in_torchs_cache():
+    """kvcached_core.activations on a real device: after a transient 256 MiB peak that torch handed back, the
+    hold makes torch cache it again on the engine's forward stream, and an allocation of that size on that
+    stream then takes nothing from the device."""
+    from kvcached_core.activations import hold_activation_peak
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    peak = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    del peak
+    torch.cuda.empty_cache()  # as the engines do after start-up: the device has the peak back
+    stream = torch.cuda.Stream()
+    held = hold_activation_peak(torch.device("cuda:0"), stream=stream)
+    assert held >= 256 * MiB
+    free_before, _ = torch.cuda.mem_get_info()
+    with torch.cuda.stream(stream):
+        activation = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    assert torch.cuda.mem_get_info()[0] == free_before
+    del activation
+    torch.cuda.empty_cache()

@@ -68,3 +68,47 @@ def test_load_checked_names_every_missing_symbol_of_the_installed_release(monkey
     assert "json.no_such_symbol" in str(err.value) and "also_missing" not in str(err.value)
     with pytest.raises(PluginLoadError, match="is not supported"):
         load_checked(EngineSupport(engine="pytest", distributions=("pytest",), supported=("0.0",)), source)
+
+
+@pytest.fixture
+def core_logger():
+    """The ``kvcached`` logger, restored after the test (routing it is process-wide)."""
+    import logging
+
+    core = logging.getLogger("kvcached")
+    saved = (list(core.handlers), core.level, core.propagate)
+    yield core
+    core.handlers[:], core.level, core.propagate = saved[0], saved[1], saved[2]
+
+
+def test_the_core_logs_where_the_engine_logs(core_logger):
+    """An engine whose logger does not propagate to the root (vLLM's) shows the core's records (fair share,
+    pressure, start-up lock) once, at the engine logger's level, through its own handlers."""
+    import logging
+
+    from kvcached_core.plugin import route_core_logs
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    engine, root = Keep(), Keep()
+    target = logging.getLogger("engine-under-test")
+    target.addHandler(engine)
+    target.setLevel(logging.INFO)
+    target.propagate = False
+    logging.getLogger().addHandler(root)
+    try:
+        route_core_logs(target)
+        route_core_logs(target)  # a second registration in the process adds nothing
+        core_logger.info("kvcached: yielding down to an equal share")
+        core_logger.debug("kvcached: below the engine's level")
+    finally:
+        logging.getLogger().removeHandler(root)
+        target.removeHandler(engine)
+    assert engine.messages == ["kvcached: yielding down to an equal share"]
+    assert root.messages == []

@@ -57,6 +57,19 @@ def test_profiling_counts_memory_other_elastic_engines_hold(sglang_loaded):
         peer.kill()
 
 
+def test_the_activation_reserve_is_held_for_cuda_pools_only(sglang_loaded):
+    """The end-of-start-up unit over SGLang's own elastic MHA pool on the host: nothing to hold (SGLang's CPU
+    activations are not in any device budget), and torch.cuda is not touched. Holding on a GPU is
+    tests/test_gpu.py's (the core function) and the SGLang GPU harness's (a real server's log)."""
+    from types import SimpleNamespace
+
+    from kvcached_sglang.capacity import hold_activation_peak
+
+    pool = make_mha_pool(1024)
+    assert pool.kvcached_manager is not None
+    assert hold_activation_peak(None, SimpleNamespace(forward_stream=None, enable_overlap=True)) == 0
+
+
 def test_idle_check_sees_logical_free_tokens(sglang_loaded):
     from sglang.srt.managers.scheduler_components.pool_stats_observer import PoolStats
 

@@ -61,6 +61,8 @@ def runs(tiny_model) -> dict[str, dict]:
             *GPU,
             "--name",
             "gpu-block-outer",
+            "--watch-idle",
+            "1",  # samples the mapped KV while it serves
             env={**IN_PROCESS, "KVCACHED_PAGE_BYTES": "2M", "KVCACHED_KV_LAYOUT": "block-outer"},
         )
     )

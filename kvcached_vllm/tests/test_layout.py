@@ -199,21 +199,3 @@ def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeyp
         planner.free(taken)
     finally:
         runtime.close_all()
-
-
-def test_the_activation_peak_to_hold_counts_what_torch_already_caches():
-    """What a CUDA worker makes torch cache at the end of start-up (``hold_activation_peak``, run on the GPU by
-    test_gpu.py): vLLM's profiled peak, or without one torch's own peak above what is allocated, less what torch
-    caches unused already. The memory statistics are torch's keys with chosen values (no CUDA here)."""
-    from kvcached_vllm.worker import activation_reserve_bytes
-
-    MiB = 1 << 20
-    stats = {
-        "allocated_bytes.all.current": 900 * MiB,  # weights and buffers
-        "allocated_bytes.all.peak": 1500 * MiB,  # during the profile run
-        "reserved_bytes.all.current": 1000 * MiB,  # 100 MiB cached unused
-    }
-    assert activation_reserve_bytes(400 * MiB, stats) == 300 * MiB  # vLLM's figure wins
-    assert activation_reserve_bytes(None, stats) == 500 * MiB  # 600 MiB peak above current, less 100 cached
-    assert activation_reserve_bytes(50 * MiB, stats) == 0  # torch already caches more than the peak
-    assert activation_reserve_bytes(None, {}) == 0

@@ -6,6 +6,8 @@ installed release and every symbol the plugin touches (:func:`kvcached_core.patc
 hands each checked patch to the engine's own way of applying it. Whether a failed check stops the engine
 (vLLM: it shows plugin errors and stops start-up, the earliest and clearest place) or is logged while the
 engine runs without kvcached (SGLang, whose plugin loader would hide an exception) is the plugin's choice.
+It also sends the core's own log records (the ``kvcached`` logger: pressure, fair share, start-up lock) to
+the plugin's logger, so they appear wherever the engine shows its own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,29 @@ from dataclasses import dataclass, field
 
 from .config import ConfigError, load_settings
 from .patches import EngineSupport, Patch, PatchSource, PluginLoadError, load_checked
+
+
+class _ToEngineLogger(logging.Handler):
+    """Hands each record of the core's logger to the engine plugin's logger (and so to the engine's handlers:
+    vLLM's own logger does not propagate to the root, where the core's records would otherwise go)."""
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.target.isEnabledFor(record.levelno):
+            self.target.handle(record)
+
+
+def route_core_logs(target: logging.Logger) -> None:
+    """Send the ``kvcached`` logger's records to ``target`` at ``target``'s level (once per process)."""
+    core = logging.getLogger("kvcached")
+    if any(isinstance(h, _ToEngineLogger) for h in core.handlers):
+        return
+    core.addHandler(_ToEngineLogger(target))
+    core.setLevel(target.getEffectiveLevel())
+    core.propagate = False  # else a record reaches the root's handlers too when both the engine and root have them
 
 
 @dataclass
@@ -35,6 +60,7 @@ class EnginePlugin:
         if self._registered:
             return
         self._registered = True
+        route_core_logs(self.logger)
         engine = self.support.engine
         try:
             if not load_settings().enable:

@@ -1,9 +1,10 @@
 """Start-up memory planning and the idle accounting check, made aware of elastic memory.
 
-SGLang sizes its KV pool from the device's free memory at start-up and, when idle, checks that free +
-cached + held tokens add up to the pool size. With kvcached, memory another elastic engine holds right now
-comes back when that engine idles, and a free page may be unmapped: both checks are given the figures that
-mean what SGLang intends.
+SGLang sizes its KV pool from the device's free memory at start-up, leaves the rest for activations, and
+when idle checks that free + cached + held tokens add up to the pool size. With kvcached, memory another
+elastic engine holds right now comes back when that engine idles, and a free page may be unmapped: both
+checks are given the figures that mean what SGLang intends, and the room for activations is held in
+torch's cache at the end of start-up, where other engines' KV caches cannot take it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from kvcached_core import load_settings
+from kvcached_core import activations, load_settings, registry
 from kvcached_core.backends import cuda_device
 from kvcached_core.segment import held_by_other_processes
 
@@ -60,3 +61,21 @@ def check_mamba_pool_logically(original: Callable[..., Any], checker: Any, ps: A
     """AROUND ``SchedulerInvariantChecker._check_mamba_pool``: the same for Mamba slots."""
     ps = _with_logical(ps, "mamba_available_size", getattr(checker.req_to_token_pool, "mamba_allocator", None))
     return original(checker, ps, *args, **kwargs)
+
+
+def hold_activation_peak(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> int:
+    """AFTER ``Scheduler.init_model_worker`` (weights, KV pools, CUDA graphs: the last start-up step that
+    moves device memory): torch caches the start-up's activation peak on each CUDA device this process's
+    elastic pools are on (:mod:`kvcached_core.activations`), so other engines' KV caches cannot take the
+    room SGLang leaves for activations. SGLang measures no peak, but its start-up runs a full prefill chunk
+    eagerly before capturing prefill graphs, so torch's own peak covers one. Returns the bytes newly held."""
+    devices = {m.device for m in registry.live_managers() if str(m.device).startswith("cuda")}
+    if not devices:
+        return 0
+    import torch
+
+    # The stream SGLang runs the forward pass on (torch caches per stream): the model runner's with overlap
+    # scheduling (the default), else the scheduler's own where this release has made it already.
+    stream = scheduler.forward_stream if getattr(scheduler, "enable_overlap", True) else None
+    stream = stream or getattr(scheduler, "schedule_stream", None)
+    return sum(activations.hold_activation_peak(torch.device(d), stream=stream) for d in sorted(devices))

@@ -20,6 +20,7 @@ from .capacity import (
     check_full_pool_logically,
     check_mamba_pool_logically,
     free_memory_with_elastic_peers,
+    hold_activation_peak,
     profile_virtual_capacity,
 )
 from .pools import ElasticMambaPool, ElasticMambaPoolPageMajor, ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
@@ -98,6 +99,13 @@ PATCHES: tuple[Patch, ...] = (
         "around",
         free_memory_with_elastic_peers,
         "while profiling: memory other kvcached engines hold counts as free",
+    ),
+    Patch(
+        "activation-reserve",
+        f"{_SCHEDULER}.init_model_worker",
+        "after",
+        hold_activation_peak,
+        "at the end of start-up, torch keeps the activation peak cached (other engines' KV cannot take it)",
     ),
     Patch(
         "mamba-pool",

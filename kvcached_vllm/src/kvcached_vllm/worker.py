@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvcached_core import PageMirror, load_settings
+from kvcached_core import PageMirror, activations, load_settings
 from kvcached_core.backends import cuda_device, cuda_index, device_name, host_device_label
 from kvcached_core.segment import held_by_other_processes
 from kvcached_core.startup_lock import StartupLock
@@ -210,44 +210,14 @@ def startup_begins(original: Callable[..., Any], worker: Any, *args: Any, **kwar
         raise
 
 
-def activation_reserve_bytes(peak_activation: int | None, stats: dict[str, int]) -> int:
-    """What torch must still cache so that this engine's activation peak fits without asking the device.
-
-    ``peak_activation`` is vLLM's profiled peak (``Worker.peak_activation_memory``); without profiling
-    (``--kv-cache-memory-bytes``) it is torch's peak allocation less what is allocated now. Less what torch
-    already caches unused (``stats``: ``torch.cuda.memory_stats``)."""
-    allocated = stats.get("allocated_bytes.all.current", 0)
-    if peak_activation is None:
-        peak_activation = stats.get("allocated_bytes.all.peak", 0) - allocated
-    cached_unused = stats.get("reserved_bytes.all.current", 0) - allocated
-    return max(0, peak_activation - cached_unused)
-
-
 def hold_activation_peak(worker: Any) -> int:
-    """Make torch cache this engine's activation peak now; returns the bytes it newly holds.
-
-    vLLM without kvcached sizes its KV cache to leave the activation peak it profiled free, hands that memory
-    back to the device after profiling, and takes it again at its first large batch. With kvcached the other
-    engines' KV caches may have mapped it by then, and the engine's next activation would fail (seen on the
-    H200 with three engines: FlashAttention's workspace, 42 MiB, out of memory). A tensor of the missing
-    bytes, freed at once, stays in torch's cache for those activations."""
+    """At the end of start-up, make torch cache the activation peak vLLM profiled
+    (``Worker.peak_activation_memory``; without profiling, torch's peak): vLLM sized its KV cache to leave that
+    free, and with kvcached the other engines' KV caches could take it (:mod:`kvcached_core.activations`).
+    Returns the bytes torch newly holds."""
     if getattr(getattr(worker.model_runner, "kv_cache_config", None), "kvcached", None) is None:
         return 0  # vLLM's own KV cache: vLLM left the room itself
-    want = activation_reserve_bytes(
-        getattr(worker, "peak_activation_memory", None), torch.cuda.memory_stats(worker.device)
-    )
-    if want > 0:
-        try:
-            torch.empty(want, dtype=torch.uint8, device=worker.device)
-        except torch.OutOfMemoryError:
-            logger.warning(
-                "kvcached: could not hold %d MiB for this engine's activations (other engines hold the GPU); "
-                "it may run out of memory under load: start it first, or raise every engine's KVCACHED_DEVICE_HEADROOM",
-                want >> 20,
-            )
-            return 0
-    logger.info("kvcached: torch holds this engine's activation peak (%d MiB newly)", want >> 20)
-    return want
+    return activations.hold_activation_peak(worker.device, getattr(worker, "peak_activation_memory", None))
 
 
 def startup_ends(original: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
