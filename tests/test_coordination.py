@@ -170,8 +170,8 @@ def test_memory_other_processes_hold_counts_mapped_pages_and_ready_handles(setti
 def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkeypatch):
     """``KVCACHED_FAIR_SHARE=1``: when another process on the device falls short, a process holding more than
     an equal share of what the engines there hold caps its pool at that share: it serves nothing new, gives
-    back its empty pages above the cap, and does not call itself short; a second after the last shortfall
-    the cap lifts."""
+    back its empty pages above the cap, and does not call itself short; a second after the last shortfall,
+    with most of the host's memory spare, the cap lifts."""
     from conftest import wait_for
 
     from kvcached_core import KVCacheManager
@@ -203,7 +203,7 @@ def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkey
         assert child.stdout.readline().strip() == "ready"
         held = mine.alloc(48)  # 48 MiB here, 16 MiB there: an equal share is 32 MiB
         assert held is not None and mine.yield_cap is None
-        assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 48 * MiB))
+        assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 48 * MiB, 2))
         signal_in_child(tmp_path, "cpu")
         assert wait_for(lambda: mine.yield_cap == 32 * MiB)
         assert mine.available_size() == 0 and mine.alloc(1) is None
@@ -213,6 +213,75 @@ def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkey
         assert mine.alloc(16) is not None and mine.alloc(2) is None  # up to the cap, not beyond
         assert wait_for(lambda: mine.yield_cap is None, timeout=5)  # no shortfall for a second: lifted
         assert mine.alloc(2) is not None
+    finally:
+        watch.close()
+        mine.close()
+        child.kill()
+        child.wait()
+
+
+def test_fair_share_caps_hold_while_the_device_is_full_and_lift_when_memory_is_spare(tmp_path, monkeypatch):
+    """On a full device (a 64 MiB host budget) the caps outlast the neighbour's shortfalls: it stopped
+    signalling because it has its share, not because it no longer needs it, and lifting then would only start
+    the next round of preemptions. Once the neighbour gives its memory back, the caps lift."""
+    from conftest import wait_for
+
+    from kvcached_core import KVCacheManager
+    from kvcached_core.fair_share import FairShare
+    from kvcached_core.pressure import PressureWatch
+
+    MiB = 1 << 20
+    for name, value in (("RUNTIME_DIR", str(tmp_path)), ("HOST_DEVICE_BYTES", "64MiB"), ("FAIR_SHARE", "1")):
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    settings = load_settings()
+    code = textwrap.dedent(
+        """
+        import sys, kvcached_core as kc
+        m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1,
+                              reserved_pages=0, pool_target=0, pool_max=0, name="neighbour")
+        held = m.alloc(16)
+        for line in ["ready"] + [None] * 2:
+            if line is None:
+                command = sys.stdin.readline().strip()
+                if command == "grow":
+                    held += m.alloc(16)
+                else:
+                    m.free(held)
+                    m.trim()
+            m._control.publish()
+            print("ok", flush=True)
+        sys.stdin.readline()
+        """
+    )
+    env = dict(os.environ, KVCACHED_FAIR_SHARE="0")
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def tell(command: str) -> None:
+        child.stdin.write(command + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"
+
+    mine = KVCacheManager(
+        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
+    )
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    try:
+        assert child.stdout.readline().strip() == "ok"
+        held = mine.alloc(48)  # 48 + 16 MiB: the budget is full
+        assert held is not None and mine.device_spare_bytes() == 0
+        assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 48 * MiB, 2))
+        signal_in_child(tmp_path, "cpu")
+        assert wait_for(lambda: mine.yield_cap == 32 * MiB)
+        mine.free(held[32:])  # down to the cap; the neighbour takes what that gave back
+        assert wait_for(lambda: mine.snapshot()["mapped_bytes"] == 32 * MiB)
+        tell("grow")
+        time.sleep(3 * FairShare.LIFT_S)  # no shortfall since, but no memory spare either
+        assert mine.yield_cap == 32 * MiB and mine.alloc(1) is None
+        tell("free")  # the neighbour's 32 MiB are spare: a whole share
+        assert wait_for(lambda: mine.yield_cap is None, timeout=5)
+        assert mine.alloc(16) is not None
     finally:
         watch.close()
         mine.close()

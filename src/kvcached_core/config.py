@@ -162,9 +162,9 @@ SETTINGS: dict[str, Setting] = {
     "fair_share": Setting(
         "KVCACHED_FAIR_SHARE",
         _bool,
-        "while another engine on the device is short of memory, an engine holding more than an equal share of "
-        "the device's KV memory stops growing and gives back down to it (preempting requests); 0 = only cached "
-        "prefixes and idle pages are given back",
+        "when another engine on the device is short of memory, an engine holding more than an equal share of "
+        "the device's KV memory gives back down to it (preempting requests) and grows again only into memory "
+        "the device leaves spare; 0 = only cached prefixes and idle pages are given back",
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",

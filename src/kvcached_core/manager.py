@@ -159,6 +159,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             pool_max=pick(pool_max, s.pool_max, "pool_max"),
             zero_on_map=s.zero_on_map if zero_on_map is None else bool(zero_on_map),
         )
+        self._backend = backend
         # The hot calls as plain CPython methods (see csrc/bindings/fast_path.h): no pybind11 dispatch.
         self._snapshot_labels = dict(
             self._labels, block_bytes=self.block_bytes, page_bytes=self.page_bytes, num_buffers=self.num_buffers
@@ -261,6 +262,12 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         ``KVCACHED_RECLAIM_DELAY_MS`` windows): memory :meth:`trim` would give back now."""
         snap = self.snapshot()
         return snap["mapped_pages"] > snap["used_pages"]
+
+    def device_spare_bytes(self) -> int:
+        """Memory of this manager's device that no one holds, above the headroom KV caches leave free (for a
+        planner: the least its workers report): what an engine on the device could map now."""
+        free, _total = self._backend.mem_info()
+        return max(0, free - self._backend.headroom)
 
     def physically_short(self) -> bool:
         """Whether what the device lets this manager map now, not its memory limit or its virtual capacity,
