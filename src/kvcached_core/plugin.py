@@ -34,12 +34,13 @@ class _ToEngineLogger(logging.Handler):
 
 
 def route_core_logs(target: logging.Logger) -> None:
-    """Send the ``kvcached`` logger's records to ``target`` at ``target``'s level (once per process)."""
+    """Send the ``kvcached`` logger's records to ``target``, filtered by ``target``'s level when they are
+    emitted (an engine may configure its logging after loading its plugins), once per process."""
     core = logging.getLogger("kvcached")
     if any(isinstance(h, _ToEngineLogger) for h in core.handlers):
         return
     core.addHandler(_ToEngineLogger(target))
-    core.setLevel(target.getEffectiveLevel())
+    core.setLevel(logging.DEBUG)
     core.propagate = False  # else a record reaches the root's handlers too when both the engine and root have them
 
 

@@ -76,6 +76,6 @@ def hold_activation_peak(_result: Any, scheduler: Any, *args: Any, **kwargs: Any
 
     # The stream SGLang runs the forward pass on (torch caches per stream): the model runner's with overlap
     # scheduling (the default), else the scheduler's own where this release has made it already.
-    stream = scheduler.forward_stream if getattr(scheduler, "enable_overlap", True) else None
+    stream = getattr(scheduler, "forward_stream", None) if getattr(scheduler, "enable_overlap", True) else None
     stream = stream or getattr(scheduler, "schedule_stream", None)
     return sum(activations.hold_activation_peak(torch.device(d), stream=stream) for d in sorted(devices))
