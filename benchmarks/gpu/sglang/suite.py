@@ -130,6 +130,7 @@ def phase_pools(args: argparse.Namespace) -> dict:
                 runs[f"error_{side}"] = f"{type(exc).__name__}: {exc}"[:3000]
             finally:
                 server.stop()
+                runs[f"kvcached_log_{side}"] = server.kvcached_notes()
         if "tokens_vanilla" in runs and "tokens_kvcached" in runs:
             van, kvc = runs.pop("tokens_vanilla"), runs.pop("tokens_kvcached")
             runs["identity"] = harness.identity({"tokens": van}, {"tokens": kvc})

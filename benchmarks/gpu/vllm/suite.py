@@ -368,6 +368,28 @@ class Server:
         with open(self.logpath) as f:
             return f.read().splitlines()
 
+    # What kvcached logged in a server, by what each line starts with after "kvcached: ".
+    NOTES = {
+        "activation_hold": "torch holds this engine's activation peak",
+        "activation_hold_failed": "could not hold",
+        "gave_back": "gave back",
+        "fair_share_yields": "a neighbour on",
+        "fair_share_lifts": "memory on",
+    }
+
+    def kvcached_notes(self) -> dict[str, int]:
+        """How often kvcached logged each of :attr:`NOTES` in this server, and the MiB of activations torch
+        holds (``activation_hold_mib``): what a run did beyond its numbers, kept in its JSON."""
+        notes = dict.fromkeys(self.NOTES, 0)
+        for line in self.tail_lines():
+            _, sep, text = line.partition("kvcached: ")
+            for key, start in self.NOTES.items():
+                if sep and text.startswith(start):
+                    notes[key] += 1
+            if sep and text.startswith(self.NOTES["activation_hold"]):
+                notes["activation_hold_mib"] = int(text.rsplit("(", 1)[1].split()[0])
+        return notes
+
     def metric(self, name: str) -> float | None:
         """A Prometheus counter of the server, or None (not exported by this engine or not enabled)."""
         try:
@@ -401,6 +423,7 @@ def serving(servers: list[Server], result: dict, key: str = "error") -> Iterator
     finally:
         for server in servers:
             server.stop()
+            result.setdefault("kvcached_log", {})[server.name] = server.kvcached_notes()
 
 
 def client_session(total_s: float):
