@@ -100,8 +100,8 @@ class FairShare:
             self._capped = False
             return
         spare = min(m.device_spare_bytes() for m in pools)
-        if spare == 0:
-            return  # every engine uses its share: the caps hold, as a static partition would
+        if spare < min(m.page_bytes * m.num_buffers for m in pools):
+            return  # not one more page of any pool: every engine uses its share, and the caps hold
         self._last_raise = now
         share, mine, engines = self.share_bytes()
         caps = sum(m.yield_cap or 0 for m in pools)
