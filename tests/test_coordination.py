@@ -240,17 +240,17 @@ def test_fair_share_caps_hold_while_the_device_is_full_and_lift_when_memory_is_s
         m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1,
                               reserved_pages=0, pool_target=0, pool_max=0, name="neighbour")
         held = m.alloc(16)
-        for line in ["ready"] + [None] * 2:
-            if line is None:
-                command = sys.stdin.readline().strip()
-                if command == "grow":
-                    held += m.alloc(16)
-                else:
-                    m.free(held)
-                    m.trim()
+        m._control.publish()
+        print("ok", flush=True)
+        for command in iter(sys.stdin.readline, ""):  # "grow": 16 MiB more; "free": everything back
+            if command.strip() == "grow":
+                held += m.alloc(16)
+            else:
+                m.free(held)
+                held = []
+                m.trim()
             m._control.publish()
             print("ok", flush=True)
-        sys.stdin.readline()
         """
     )
     env = dict(os.environ, KVCACHED_FAIR_SHARE="0")
