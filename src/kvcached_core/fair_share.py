@@ -1,5 +1,6 @@
-"""Fair share under pressure: while another engine on the device is short of memory, an engine that holds
-more than an equal share of the device's KV memory yields down to that share.
+"""Fair share under pressure: when another engine on the device falls short of memory, an engine that holds
+more than an equal share of the device's KV memory yields down to that share, and grows back only into
+memory the device leaves spare.
 
 Without it, a busy engine keeps every page it mapped in its burst, and a neighbour whose burst comes next
 waits for that engine's requests to finish (seen on an H200 with three engines: one held 101 GiB while a
