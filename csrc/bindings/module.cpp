@@ -264,6 +264,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("device_index", &MemoryBackend::device_index)
       .def_property_readonly("headroom", &MemoryBackend::headroom,
                              "Device memory the KV caches leave free for the engines' own allocations.")
+      .def("allocatable_bytes", &MemoryBackend::allocatable_bytes,
+           "How much more the device can be expected to give: free memory less the headroom.")
       .def(
           "mem_info",
           [](MemoryBackend& b) {

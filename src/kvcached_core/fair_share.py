@@ -52,8 +52,7 @@ class FairShare:
         self._last_raise = 0.0
 
     def _my_pools(self) -> list:
-        pools = (info.manager() for info in registry.live_pools())
-        return [m for m in pools if m is not None and not m.closed and host_device_label(m.device) == self.device]
+        return [m for m in registry.live_managers() if not m.closed and host_device_label(m.device) == self.device]
 
     def share_bytes(self) -> tuple[int, int, int]:
         """(an equal share of what the kvcached engines on this device hold, what this process holds, how

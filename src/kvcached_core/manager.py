@@ -265,9 +265,9 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
 
     def device_spare_bytes(self) -> int:
         """Memory of this manager's device that no one holds, above the headroom KV caches leave free (for a
-        planner: the least its workers report): what an engine on the device could map now."""
-        free, _total = self._backend.mem_info()
-        return max(0, free - self._backend.headroom)
+        planner: the least its workers report; for a host without a budget: unbounded): what an engine on the
+        device could map now."""
+        return self._backend.allocatable_bytes()
 
     def physically_short(self) -> bool:
         """Whether what the device lets this manager map now, not its memory limit or its virtual capacity,

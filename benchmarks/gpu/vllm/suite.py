@@ -383,10 +383,12 @@ class Server:
         notes = dict.fromkeys(self.NOTES, 0)
         for line in self.tail_lines():
             _, sep, text = line.partition("kvcached: ")
+            if not sep:
+                continue
             for key, start in self.NOTES.items():
-                if sep and text.startswith(start):
+                if text.startswith(start):
                     notes[key] += 1
-            if sep and text.startswith(self.NOTES["activation_hold"]):
+            if text.startswith(self.NOTES["activation_hold"]):
                 notes["activation_hold_mib"] = int(text.rsplit("(", 1)[1].split()[0])
         return notes
 

@@ -9,7 +9,6 @@ from kvcached memory, in order. That keeps one mechanism for every release: 0.26
 from __future__ import annotations
 
 import functools
-import logging
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,8 +21,6 @@ from kvcached_core.segment import held_by_other_processes
 from kvcached_core.startup_lock import StartupLock
 
 from . import runtime
-
-logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 
 
 class BackingMismatch(RuntimeError):
