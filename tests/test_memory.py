@@ -258,6 +258,33 @@ def test_a_promised_allocation_passes_a_new_limit_and_waits_for_memory_a_neighbo
         b.close()
 
 
+def test_prepare_maps_what_a_scheduler_will_take_and_counts_only_memory_this_process_holds(tmp_path):
+    """``assured_size`` and ``prepare``: a scheduler about to commit to blocks learns how many it will really
+    get before it commits. Memory another process took since kvcached last read the device shows as a smaller
+    count there, not as a refused ``alloc`` after the commitment; the memory limit binds ``prepare`` too."""
+    s = kc.load_settings({}, runtime_dir=str(tmp_path / "rt"), host_device_bytes=64 * MiB)
+    kw = dict(device="cpu", settings=s, reserved_pages=0, pool_target=0)
+    a = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="a", **kw)  # 32 blocks on a page row of 8 MiB
+    b = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="b", **kw)
+    try:
+        assert a.assured_size() == 0 < a.available_size()
+        assert a.prepare(40) == a.assured_size() == 64  # two page rows mapped, no block taken
+        assert a.snapshot()["mapped_pages"] == 2 and a.snapshot()["allocated_blocks"] == 0
+        ids = a.alloc(40)
+        assert ids is not None and a.snapshot()["mapped_pages"] == 2, "alloc mapped what prepare had not"
+        assert b.alloc(32 * 6) is not None  # the rest of the 64 MiB device, taken by another pool
+        assert a.prepare(64) == a.assured_size() == 24  # what its own pages hold, not what it read before
+        assert a.alloc(64) is None
+        b.close()  # its memory goes back
+        assert a.prepare(64) >= 64 and a.alloc(64) is not None
+        a.set_memory_limit(a.snapshot()["mapped_bytes"])
+        assert a.prepare(1000) == a.assured_size() and a.snapshot()["mapped_bytes"] <= a.snapshot()["limit_bytes"]
+        a.free(ids)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_scheduler_count_serves_what_was_counted_and_refuses_beyond(make_manager):
     """``SchedulerCount``: a refusal within the scheduler's last count (less what it took since) is served
     anyway, one beyond it stays a refusal, as an engine's own pool would answer."""

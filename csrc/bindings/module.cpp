@@ -377,6 +377,13 @@ PYBIND11_MODULE(_native, m) {
           },
           "Bytes this allocator may map while it yields memory to a neighbour (None: no such cap); binds\n"
           "like the memory limit, which it leaves as set.")
+      .def("assured_size", &BlockAllocator::assured_size,
+           "Blocks alloc() can hand out from pages mapped now, within the memory limit: memory this process\n"
+           "holds, which no other process can take (at most available_size()). Lock-free, no driver call.")
+      .def("prepare", &BlockAllocator::prepare, py::arg("count"), py::call_guard<py::gil_scoped_release>(),
+           "Map pages until `count` blocks are assured (or the limit, virtual capacity or physical memory\n"
+           "stops it); returns assured_size(). For a scheduler about to commit to `count` blocks: a device\n"
+           "another process filled since kvcached last read it shows as a smaller count, not a refused alloc().")
       .def("trim", &BlockAllocator::trim, py::call_guard<py::gil_scoped_release>(),
            "Unmap every mapped page that holds no allocated block; returns the bytes unmapped.")
       .def("clear", &BlockAllocator::clear, "Free every allocated block (the null block stays reserved).")

@@ -367,22 +367,31 @@ std::int64_t BlockAllocator::capacity_of_pages(std::int64_t pages, bool may_incl
   return (pages - 1) * min_capacity_ + std::min(tail_capacity_, min_capacity_);
 }
 
-std::int64_t BlockAllocator::available_size() const noexcept {
+std::int64_t BlockAllocator::mapped_free(std::int64_t& new_pages) const noexcept {
+  new_pages = 0;
   if (closed()) return 0;
   const std::int64_t allowed = allowed_pages();
   const std::int64_t used = used_pages_.load(std::memory_order_relaxed);
   if (used > allowed) return 0;
-  std::int64_t headroom = allowed - used;  // pages that may still become used
-  std::int64_t avail = partial_free_.load(std::memory_order_relaxed);
+  const std::int64_t headroom = allowed - used;  // pages that may still become used
+  const std::int64_t partial = partial_free_.load(std::memory_order_relaxed);
   const std::int64_t empty = empty_pages_.load(std::memory_order_relaxed);
-  if (empty <= headroom) {
-    avail += empty_free_.load(std::memory_order_relaxed);
-    headroom -= empty;
-  } else {
-    return avail + capacity_of_pages(headroom, !tail_unmapped_.load(std::memory_order_relaxed));
-  }
+  if (empty > headroom) return partial + capacity_of_pages(headroom, !tail_unmapped_.load(std::memory_order_relaxed));
+  new_pages = headroom - empty;
+  return partial + empty_free_.load(std::memory_order_relaxed);
+}
+
+std::int64_t BlockAllocator::assured_size() const noexcept {
+  std::int64_t new_pages = 0;
+  return mapped_free(new_pages);
+}
+
+std::int64_t BlockAllocator::available_size() const noexcept {
+  std::int64_t headroom = 0;
+  const std::int64_t avail = mapped_free(headroom);
+  if (headroom == 0) return avail;
   // New pages: bounded by unmapped pages, the limit, and physical memory (pool + cached device free).
-  const std::int64_t by_limit = allowed - mapped_pages_.load(std::memory_order_relaxed);
+  const std::int64_t by_limit = allowed_pages() - mapped_pages_.load(std::memory_order_relaxed);
   const PagePool& pool = region_->pool();
   const auto handles = static_cast<std::int64_t>(pool.ready() + pool.cached_free_bytes() / page_bytes_);
   const std::int64_t by_memory = handles / config_.num_buffers;
@@ -390,6 +399,20 @@ std::int64_t BlockAllocator::available_size() const noexcept {
   const std::int64_t fresh = std::max<std::int64_t>(0, std::min({headroom, by_limit, by_memory, unmapped}));
   // The tail sits at the bottom of the unmapped stack: it is among the fresh pages only when all are.
   return avail + capacity_of_pages(fresh, fresh == unmapped && tail_unmapped_.load(std::memory_order_relaxed));
+}
+
+std::int64_t BlockAllocator::prepare(std::int64_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open();
+  const std::int64_t allowed = allowed_pages();
+  while (assured_size() < count && mapped_pages_.load(std::memory_order_relaxed) < allowed) {
+    if (map_next_page() != MapResult::kMapped) break;  // a driver error propagates: nothing to roll back
+  }
+  // The pages are about to be used: the reclaimer keeps them as this window's demand.
+  const std::int64_t planned =
+      used_pages_.load(std::memory_order_relaxed) + empty_pages_.load(std::memory_order_relaxed);
+  if (planned > window_peak_.load(std::memory_order_relaxed)) window_peak_.store(planned, std::memory_order_relaxed);
+  return assured_size();
 }
 
 // ---- limit ------------------------------------------------------------------------------------------

@@ -80,8 +80,16 @@ class BlockAllocator {
   bool alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit = false);
   // Frees `ids`. Throws InvalidArgument (and frees nothing) on an unknown, reserved or duplicate id.
   void free(const std::int64_t* ids, std::size_t count);
-  // Blocks alloc() could hand out now (a lower bound). Lock-free, no driver call.
+  // Blocks alloc() could hand out now (a lower bound). Lock-free, no driver call. Fresh pages count by a
+  // free-memory reading up to one refresh old, which other processes may have used since.
   std::int64_t available_size() const noexcept;
+  // Blocks alloc() can hand out from pages mapped now, within the memory limit: memory this process holds
+  // and no other process can take. Lock-free, no driver call; never more than available_size().
+  std::int64_t assured_size() const noexcept;
+  // Maps pages until `count` blocks are assured, or the limit, virtual capacity or physical memory stops
+  // it; returns assured_size(). For a scheduler about to commit to `count` blocks: a device another process
+  // filled since the last free-memory reading shows here, as a smaller count, instead of as a refused alloc().
+  std::int64_t prepare(std::int64_t count);
 
   // Caps the physical memory this allocator may map (kNoLimit: none) under `revision` (default: the next).
   LimitResult set_memory_limit(std::uint64_t limit_bytes, std::optional<std::uint64_t> revision);
@@ -144,6 +152,9 @@ class BlockAllocator {
   std::int64_t allowed_pages() const noexcept;
   std::int64_t target_empty_pages() const noexcept;
   std::int64_t capacity_of_pages(std::int64_t pages, bool may_include_tail) const noexcept;  // lower bound
+  // Free blocks on mapped pages that alloc() may hand out now, within the memory limit; `new_pages` gets how
+  // many unmapped pages the limit lets become used besides (0 when closed or over the limit).
+  std::int64_t mapped_free(std::int64_t& new_pages) const noexcept;
 
   void take_from_page(std::int32_t page, std::int64_t want, std::vector<std::int32_t>& out);
   void return_block(std::int32_t block);

@@ -182,3 +182,69 @@ def test_with_fair_share_an_engine_above_an_equal_share_stops_taking_blocks_whil
         runtime.close_all()
         neighbour.kill()
         neighbour.wait()
+
+
+def test_a_device_filled_since_kvcached_last_read_it_makes_allocate_slots_refuse_instead_of_failing(
+    tmp_path, monkeypatch
+):
+    """vLLM's own ``KVCacheManager.allocate_slots`` checks free blocks, then allocates, and the engine dies if
+    the allocation fails. kvcached reads the device's free memory at most 20 ms apart; another pool that
+    fills the device within that time must make the check refuse (vLLM waits or preempts), not the
+    allocation after it. Three vLLM engines bursting at once on the H200 hit this: one engine died.
+
+    Real vLLM scheduler-side code (kv cache manager, coordinator, the patched pool) over a real kvcached
+    manager on a 64 MiB host budget; the neighbour is a second real manager on the same budget."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    import torch
+    from vllm import SamplingParams
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    import kvcached_core as kc
+    from kvcached_vllm import runtime
+
+    load_general_plugins()
+    runtime.close_all()
+    settings = kc.load_settings({}, runtime_dir=str(tmp_path), host_device_bytes=64 << 20)
+    kw = dict(device="cpu", settings=settings, reserved_pages=0, pool_target=0)
+    planner = kc.KVCacheManager(1024, 64 << 10, 4, 1, name="engine", reserve_null_block=True, **kw)
+    neighbour = kc.KVCacheManager(1024, 64 << 10, 4, 1, name="neighbour", **kw)  # 32 blocks a page row
+    runtime.add_planner(1024, planner)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    config = KVCacheConfig(num_blocks=1024, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    manager = VllmKVCacheManager(
+        config, max_model_len=4096, scheduler_block_size=16, hash_block_size=16, enable_caching=False
+    )
+    request = Request("burst", list(range(600)), SamplingParams(max_tokens=1), None)  # 38 blocks
+    held: list[int] = []
+
+    def neighbour_takes_the_device() -> None:
+        while (ids := neighbour.alloc(32)) is not None:
+            held.extend(ids)
+
+    try:
+        for _ in range(50):
+            neighbour.free(held)
+            held.clear()
+            neighbour.trim()
+            deadline = time.monotonic() + 5
+            while planner.available_size() < 38:  # the engine's reading catches up with the release
+                assert time.monotonic() < deadline, "the engine never saw the released memory"
+                time.sleep(0.002)
+            neighbour_takes_the_device()
+            if planner.available_size() >= 38:  # kvcached's reading predates the neighbour's growth
+                break
+        else:
+            pytest.fail("the engine's free-memory reading never lagged the neighbour's growth")
+        assert manager.allocate_slots(request, 600) is None  # vLLM refuses: the request waits
+        assert planner.snapshot()["allocated_blocks"] == 0  # nothing half-taken
+        neighbour.free(held)
+        neighbour.trim()
+        blocks = manager.allocate_slots(request, 600)
+        assert blocks is not None and len(blocks.get_block_ids()[0]) == 38
+        assert planner.snapshot()["allocated_blocks"] == 38
+    finally:
+        runtime.close_all()
+        neighbour.close()

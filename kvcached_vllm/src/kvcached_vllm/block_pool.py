@@ -57,6 +57,9 @@ class ElasticBlockPool(BlockPool):
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
         self._in_use = 0  # blocks requests hold (ref_cnt > 0)
         self._count = SchedulerCount(self._manager)  # what vLLM's scheduler was last told is free
+        # Within vLLM's allocate_slots: the blocks it plans to take right after its next free-block check.
+        self._checking = False
+        self._planned: int | None = None
         if self._manager is not None:
             runtime.add_block_pool(self, self._manager.device)
 
@@ -67,10 +70,38 @@ class ElasticBlockPool(BlockPool):
 
     def get_num_free_blocks(self) -> int:
         """Blocks the scheduler may plan on: what kvcached can serve now plus cached prefix blocks it may
-        evict (later allocations are held to this count)."""
+        evict (later allocations are held to this count).
+
+        Right before an allocation (:meth:`begin_allocation`) the blocks vLLM is about to take are mapped
+        first, when this process does not hold them yet: the device's free memory is read at most 20 ms
+        apart and other engines may have used it since, and vLLM cannot take a refusal once it has checked.
+        If they cannot all be mapped, the count is what this process holds, and vLLM refuses the request
+        (it waits, or another of this engine's requests is preempted) instead of failing."""
         if self._manager is None:
             return super().get_num_free_blocks()
-        return self._count.report(self._manager.available_size() + len(self._cached_free))
+        cached = len(self._cached_free)
+        planned, self._planned = self._planned, None
+        if planned is not None and self._manager.assured_size() + cached < planned:
+            assured = self._manager.prepare(planned - cached) + cached
+            if assured < planned:
+                return self._count.report(assured)
+        return self._count.report(self._manager.available_size() + cached)
+
+    def begin_allocation(self) -> None:
+        """vLLM's ``allocate_slots`` starts: its next free-block check precedes an allocation."""
+        self._checking = True
+        self._planned = None
+
+    def end_allocation(self) -> None:
+        """``allocate_slots`` returned or raised."""
+        self._checking = False
+        self._planned = None
+
+    def plan(self, num_blocks: int) -> None:
+        """vLLM computed the blocks it will take if its next check passes (those it allocates and the cached
+        prefix blocks it revives); noted only within ``allocate_slots``."""
+        if self._checking:
+            self._planned = num_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """``num_blocks`` blocks from kvcached, evicting cached prefixes first when memory is short;

@@ -28,6 +28,7 @@ from kvcached_core.backends import cuda_device
 from kvcached_core.manager import instance_name_for, page_bytes_for
 
 from . import runtime
+from .block_pool import ElasticBlockPool
 
 logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 
@@ -198,15 +199,33 @@ def elastic_kv_cache_configs(
     return configs
 
 
-def signal_when_short(original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND vLLM's ``KVCacheManager.allocate_slots``: when the scheduler cannot get blocks because the
-    device is full, tell the other engines on it (they give back cached prefix blocks)."""
-    blocks = original(manager, *args, **kwargs)
+def allocate_slots(original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND vLLM's ``KVCacheManager.allocate_slots``: its free-block check maps the blocks it then takes
+    (:meth:`ElasticBlockPool.get_num_free_blocks`); when the scheduler cannot get blocks because the device
+    is full, tell the other engines on it (they give back cached prefix blocks)."""
+    pool = manager.block_pool
+    if not isinstance(pool, ElasticBlockPool) or not pool.elastic:
+        return original(manager, *args, **kwargs)
+    pool.begin_allocation()
+    try:
+        blocks = original(manager, *args, **kwargs)
+    finally:
+        pool.end_allocation()
     if blocks is None:
         watch = runtime.pressure_watch()
         if watch is not None:
             watch.report_shortfall()
     return blocks
+
+
+def plan_blocks(original: Callable[..., Any], coordinator: Any, *args: Any, **kwargs: Any) -> int:
+    """AROUND ``KVCacheCoordinator.get_num_blocks_to_allocate``: the elastic pool learns how many blocks
+    ``allocate_slots`` is about to check for and take."""
+    num_blocks = original(coordinator, *args, **kwargs)
+    pool = coordinator.block_pool
+    if isinstance(pool, ElasticBlockPool):
+        pool.plan(num_blocks)
+    return num_blocks
 
 
 def scheduler_turn(original: Callable[..., Any], engine: Any, *args: Any, **kwargs: Any) -> Any:

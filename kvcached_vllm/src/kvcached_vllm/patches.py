@@ -15,11 +15,12 @@ from kvcached_core.patches import Patch, Releases, Uses
 
 from .block_pool import ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers
 from .engine import (
+    allocate_slots,
     close_before_shutdown,
     kv_cache_configs_flat,
     kv_cache_configs_per_tensor,
+    plan_blocks,
     scheduler_turn,
-    signal_when_short,
 )
 from .layout import packed_when_block_outer, prefer_block_outer
 from .worker import (
@@ -203,11 +204,20 @@ PATCHES: tuple[Patch, ...] = (
         builds=CPU_BUILD,
     ),
     Patch(
-        "pressure-signal",
+        "allocate-slots",
         "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
         "around",
-        signal_when_short,
-        "a scheduler short of device memory tells the other engines there",
+        allocate_slots,
+        "the scheduler's last check maps the blocks it then takes; one short of device memory tells the "
+        "other engines there",
+        releases=ALL,
+    ),
+    Patch(
+        "planned-blocks",
+        "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate",
+        "around",
+        plan_blocks,
+        "the block pool learns how many blocks allocate_slots checks for and then takes",
         releases=ALL,
     ),
     Patch(
