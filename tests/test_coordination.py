@@ -170,18 +170,18 @@ def test_memory_other_processes_hold_counts_mapped_pages_and_ready_handles(setti
 def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkeypatch):
     """``KVCACHED_FAIR_SHARE=1``: when another process on the device falls short, a process holding more than
     an equal share of what the engines there hold caps its pool at that share: it serves nothing new, gives
-    back its empty pages above the cap, and does not call itself short; a second after the last shortfall,
-    with most of the host's memory spare, the cap lifts."""
+    back its empty pages above the cap, and does not call itself short. The process that fell short has
+    exited: its claim ends with it, and a second after the last shortfall the cap lifts."""
     from conftest import wait_for
 
     from kvcached_core import KVCacheManager
     from kvcached_core.fair_share import FairShare
     from kvcached_core.pressure import PressureWatch
 
-    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.setenv("KVCACHED_FAIR_SHARE", "1")
-    settings = load_settings()
     MiB = 1 << 20
+    for name, value in (("RUNTIME_DIR", str(tmp_path)), ("HOST_DEVICE_BYTES", "64MiB"), ("FAIR_SHARE", "1")):
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    settings = load_settings()
     code = textwrap.dedent(
         """
         import sys, kvcached_core as kc
@@ -220,10 +220,12 @@ def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkey
         child.wait()
 
 
-def test_fair_share_caps_hold_while_the_device_is_full_and_lift_when_memory_is_spare(tmp_path, monkeypatch):
-    """On a full device (a 64 MiB host budget) the caps outlast the neighbour's shortfalls: it stopped
-    signalling because it has its share, not because it no longer needs it, and lifting then would only start
-    the next round of preemptions. Once the neighbour gives its memory back, the caps lift."""
+def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(tmp_path, monkeypatch):
+    """On a 64 MiB host budget the caps outlast the neighbour's shortfalls: it stopped signalling because it
+    has its share, not because it no longer needs it, and lifting then would only start the next round of
+    preemptions. When the neighbour gives its memory back, its share stays kept for it (spare memory a yield
+    freed is not memory nobody needs: the H200 run with three engines passed it back and forth), until its
+    claim ends (``CLAIM_S`` after its last shortfall); then the caps lift."""
     from conftest import wait_for
 
     from kvcached_core import KVCacheManager
@@ -242,8 +244,11 @@ def test_fair_share_caps_hold_while_the_device_is_full_and_lift_when_memory_is_s
         held = m.alloc(16)
         m._control.publish()
         print("ok", flush=True)
-        for command in iter(sys.stdin.readline, ""):  # "grow": 16 MiB more; "free": everything back
-            if command.strip() == "grow":
+        from kvcached_core.pressure import DevicePressure
+        for command in iter(sys.stdin.readline, ""):  # "short", "grow": 16 MiB more, "free": everything back
+            if command.strip() == "short":
+                DevicePressure(kc.load_settings(), "cpu").signal()
+            elif command.strip() == "grow":
                 held += m.alloc(16)
             else:
                 m.free(held)
@@ -266,21 +271,27 @@ def test_fair_share_caps_hold_while_the_device_is_full_and_lift_when_memory_is_s
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
     )
+    monkeypatch.setattr(FairShare, "CLAIM_S", 4.0)
     watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
     try:
         assert child.stdout.readline().strip() == "ok"
         held = mine.alloc(48)  # 48 + 16 MiB: the budget is full
         assert held is not None and mine.device_spare_bytes() == 0
         assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 48 * MiB, 2))
-        signal_in_child(tmp_path, "cpu")
+        tell("short")
         assert wait_for(lambda: mine.yield_cap == 32 * MiB)
         mine.free(held[32:])  # down to the cap; the neighbour takes what that gave back
         assert wait_for(lambda: mine.snapshot()["mapped_bytes"] == 32 * MiB)
         tell("grow")
         time.sleep(3 * FairShare.LIFT_S)  # no shortfall since, but no memory spare either
         assert mine.yield_cap == 32 * MiB and mine.alloc(1) is None
-        tell("free")  # the neighbour's 32 MiB are spare: a whole share
-        assert wait_for(lambda: mine.yield_cap is None, timeout=5)
+        tell("short")  # still short (it signals while it is)
+        tell("free")  # the neighbour's 32 MiB are spare, but its share is kept for it while its claim lasts
+        freed = time.monotonic()
+        time.sleep(2 * FairShare.LIFT_S)
+        assert mine.yield_cap == 32 * MiB and mine.alloc(1) is None
+        assert wait_for(lambda: mine.yield_cap is None, timeout=8)
+        assert time.monotonic() - freed >= 4.0 - 3 * FairShare.LIFT_S  # the claim ran out, nothing before
         assert mine.alloc(16) is not None
     finally:
         watch.close()

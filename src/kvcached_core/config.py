@@ -163,8 +163,9 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_FAIR_SHARE",
         _bool,
         "when another engine on the device is short of memory, an engine holding more than an equal share of "
-        "the device's KV memory gives back down to it (preempting requests) and grows again only into memory "
-        "the device leaves spare; 0 = only cached prefixes and idle pages are given back",
+        "the device's KV memory gives back down to it (preempting requests); the short engine's share stays "
+        "kept for it until 30 s after its last shortfall, the rest is lent; 0 = only cached prefixes and idle "
+        "pages are given back",
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",

@@ -7,22 +7,24 @@ waits for that engine's requests to finish (seen on an H200 with three engines: 
 neighbour had 0.5 GiB and a queue of 316 requests). Static partitioning never lets that happen; elastic
 memory should not either, while still lending an idle neighbour's share to whoever is busy.
 
-The share is what every kvcached engine on the device holds (mapped pages and ready handles, read from the
-control segments), divided by the number of engines. A shortfall means the device is full, so that sum is
-close to everything the engines can have. An engine above the share caps each of its pools on the device
-(``BlockAllocator.yield_cap``, in proportion to what each holds): its scheduler sees no free blocks, admits
-nothing new and preempts until it is under the cap; the pages that empties are unmapped at once and the
-short engine maps them. A capped pool does not report shortfalls of its own (its cap, not the device,
-stops it), so two engines never trade caps.
+The share is the device's KV memory divided by the number of engines: what every kvcached engine on the
+device holds (mapped pages and ready handles, read from the control segments) plus what is spare. An
+engine above the share caps each of its pools on the device (``BlockAllocator.yield_cap``, in proportion
+to what each holds): its scheduler sees no free blocks, admits nothing new and preempts until it is under
+the cap; the pages that empties are unmapped at once and the short engine maps them. A capped pool does not
+report shortfalls of its own (its cap, not the device, stops it), so two engines never trade caps.
 
-The caps follow what the device leaves unused, not the neighbour's signals alone. A short engine stops
-signalling once it has its share, while it still needs it: lifting the caps then (the first version, one
-second after the last shortfall) let the capped engines take the memory straight back and the neighbour
-fall short again, a cycle of mass preemptions (6436 in two minutes on the H200 with three engines). Now,
-``LIFT_S`` after the last shortfall, each capped engine raises its caps by its part (one engine's) of the
-device's spare memory, once per ``LIFT_S``, and lifts them when a whole share lies spare or the caps no
-longer bind. While every engine uses its share the caps stay, as a static partition would; memory an engine
-leaves unused flows back to the others a step at a time, and a new shortfall takes the caps back to the share.
+The caps follow what the short engines still need, not their signals alone. A short engine stops
+signalling once it has enough, while it still needs it: lifting the caps one second after the last shortfall
+(the first version) let the capped engines take the memory straight back, a cycle of mass preemptions (6436
+in two minutes on an H200 with three engines); raising them into whatever the device left spare (the second
+version) counted the memory the yield itself had just freed as unneeded, so the two large engines passed it
+back and forth (4500 and 3911 preemptions). Now an engine that fell short holds a claim for ``CLAIM_S``
+after its last shortfall: up to an equal share of the device (what the engines hold plus what is spare,
+divided by their number) is kept for it. ``LIFT_S`` after the last shortfall, at most once per ``LIFT_S``,
+a capped engine may grow into the spare memory beyond those claims (its part of it, one engine's); when no
+claim is left, the caps lift. A claimant's share is thus as safe as under a static partition, and what it
+does not use is lent to the others.
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ from .segment import held_per_process
 
 logger = logging.getLogger("kvcached")
 
+UNBOUNDED = 1 << 62  # spare memory reported this large means no bound is known
+
 
 class FairShare:
     """One engine process's side of the policy, for one device; driven by its pressure watch's thread."""
 
     LIFT_S = 1.0  # a short engine signals every 50 ms: a second without a signal means it has what it needs
+    CLAIM_S = 30.0  # how long a short engine's share stays kept for it after its last shortfall
 
     def __init__(self, settings: Settings, device: str) -> None:
         self.settings = settings
@@ -50,16 +55,28 @@ class FairShare:
         self._capped = False
         self._last_shortfall = 0.0
         self._last_raise = 0.0
+        self._claims: dict[int, float] = {}  # pid of an engine that fell short -> when it last did
 
     def _my_pools(self) -> list:
         return [m for m in registry.live_managers() if not m.closed and host_device_label(m.device) == self.device]
 
     def share_bytes(self) -> tuple[int, int, int]:
-        """(an equal share of what the kvcached engines on this device hold, what this process holds, how
-        many engines hold memory there)."""
+        """(an equal share of the device's KV memory, what this process holds, how many engines hold memory
+        on the device): the share is what the kvcached engines there hold plus what is spare, divided by
+        their number."""
         held = held_per_process(self.settings, self.device)
-        mine = held.get(os.getpid(), 0)
-        return (sum(held.values()) // len(held) if held else 0), mine, len(held)
+        return self._share(held, self._spare(self._my_pools())), held.get(os.getpid(), 0), len(held)
+
+    @staticmethod
+    def _spare(pools: list) -> int:
+        """Memory of the device no one holds (the least any of ``pools`` sees); 0 when there are no pools or
+        the device has no bound (a host without a budget, a planner before its workers report)."""
+        spare = min((m.device_spare_bytes() for m in pools), default=0)
+        return 0 if spare >= UNBOUNDED else spare
+
+    @staticmethod
+    def _share(held: dict[int, int], spare: int) -> int:
+        return (sum(held.values()) + spare) // len(held) if held else 0
 
     def _set_caps(self, total_cap: int, pools: list) -> None:
         """Cap ``pools`` at ``total_cap`` together, each in proportion to what it maps."""
@@ -68,10 +85,12 @@ class FairShare:
         for m, pool_mapped in mapped.items():
             m.yield_cap = pool_mapped * total_cap // total if total else total_cap // len(mapped)
 
-    def on_shortfall(self) -> bool:
-        """Another engine on the device fell short: cap this process's pools there at an equal share if it
-        holds more than one. Returns whether they are capped."""
-        self._last_shortfall = time.monotonic()
+    def on_shortfall(self, pid: int) -> bool:
+        """Engine ``pid`` on the device fell short: it holds a claim on an equal share, and this process's
+        pools there are capped at an equal share if it holds more than one. Returns whether they are capped."""
+        now = time.monotonic()
+        self._last_shortfall = now
+        self._claims[pid] = now
         share, mine, _engines = self.share_bytes()
         if mine <= share:  # at or under the share: caps set before stay
             return self._capped
@@ -90,25 +109,29 @@ class FairShare:
         return True
 
     def tick(self) -> None:
-        """``LIFT_S`` after the last shortfall and at most once per ``LIFT_S``: raise the caps by this engine's
-        part of the device's spare memory, or lift them when a whole share is spare or they no longer bind."""
+        """``LIFT_S`` after the last shortfall and at most once per ``LIFT_S``: lift the caps once no claim is
+        left, or else let them grow into this engine's part of the spare memory that the claims leave."""
         now = time.monotonic()
         if not self._capped or now - max(self._last_shortfall, self._last_raise) < self.LIFT_S:
             return
         pools = self._my_pools()
-        if not pools:
-            self._capped = False
-            return
-        spare = min(m.device_spare_bytes() for m in pools)
-        if spare < min(m.page_bytes * m.num_buffers for m in pools):
-            return  # not one more page of any pool: every engine uses its share, and the caps hold
-        self._last_raise = now
-        share, mine, engines = self.share_bytes()
-        caps = sum(m.yield_cap or 0 for m in pools)
-        if spare >= share or caps >= mine + spare:
+        held = held_per_process(self.settings, self.device)
+        # A claim ends CLAIM_S after its engine's last shortfall, or with its engine.
+        self._claims = {p: t for p, t in self._claims.items() if now - t < self.CLAIM_S and p in held}
+        if not pools or not self._claims:
             for m in pools:
                 m.yield_cap = None
             self._capped = False
-            logger.info("kvcached: memory on %s is spare again; no longer yielding", self.device)
+            logger.info("kvcached: no engine on %s is short of memory any more; no longer yielding", self.device)
             return
-        self._set_caps(caps + spare // max(1, engines), pools)
+        spare = self._spare(pools)
+        share = self._share(held, spare)
+        kept = sum(max(0, share - held[p]) for p in self._claims)
+        room = spare - kept
+        if room < min(m.page_bytes * m.num_buffers for m in pools):
+            return  # nothing beyond what the claims keep: the caps hold
+        self._last_raise = now
+        caps = sum(m.yield_cap or 0 for m in pools)
+        mine = held.get(os.getpid(), 0)
+        if mine + room // len(held) > caps:
+            self._set_caps(mine + room // len(held), pools)

@@ -192,7 +192,7 @@ class PressureWatch:
             try:
                 shortfall = self.pressure.poll()
                 if shortfall is not None and self.fair_share is not None:
-                    self.fair_share.on_shortfall()
+                    self.fair_share.on_shortfall(shortfall.pid)
                 if shortfall is not None and self._has_spare():
                     self.pending.set()
                     if self._wake is not None:

@@ -374,7 +374,7 @@ class Server:
         "activation_hold_failed": "could not hold",
         "gave_back": "gave back",
         "fair_share_yields": "a neighbour on",
-        "fair_share_lifts": "memory on",
+        "fair_share_lifts": "no engine on",
     }
 
     def kvcached_notes(self) -> dict[str, int]:
