@@ -158,6 +158,22 @@ def test_reported_availability_is_served_on_a_nearly_full_device(cuda_manager, s
             assert wait_for(lambda: mgr.available_size() > 0, timeout=2.0)  # the device figure refreshed
 
 
+def test_prepare_maps_ahead_and_counts_only_what_is_mapped_once_the_device_fills(cuda_manager, settings):
+    """``prepare``: the pages a scheduler is about to take are mapped before it commits (its alloc then maps
+    nothing), and once another user has filled the device since kvcached last read it, the count is what
+    this process holds, not the stale reading."""
+    no_headroom = dataclasses.replace(settings, device_headroom_bytes=0)
+    mgr = one_buffer(cuda_manager, 1 << 12, reserved_pages=0, pool_target=0, settings=no_headroom)
+    assert mgr.assured_size() == 0 and mgr.prepare(40) == mgr.assured_size() >= 40  # 8 blocks a 2 MiB page
+    mapped = mgr.snapshot()["mapped_pages"]
+    ids = mgr.alloc(40)
+    assert ids is not None and mgr.snapshot()["mapped_pages"] == mapped
+    with device_left_with(8 * MiB):
+        assert mgr.prepare(1 << 11) == mgr.assured_size() < 1 << 11
+        assert mgr.alloc(1 << 11) is None
+    mgr.free(ids)
+
+
 def test_the_default_headroom_stays_free_on_the_device(cuda_manager):
     """KVCACHED_DEVICE_HEADROOM's default (1 GiB on CUDA): with another user holding all but 1.5 GiB, the KV
     cache grows by at most 512 MiB, and the device keeps at least 1 GiB free for the engines' own tensors."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -116,6 +117,8 @@ def test_host_budget_is_shared_between_processes(tmp_path, settings):
         mgr = kc.KVCacheManager(1024, 64 * 1024, 2, 2, device="cpu", settings=s, reserved_pages=0, pool_target=0)
         try:
             assert mgr.alloc(32 * 3) is None  # 3 pages do not fit next to the other's 6: a miss, no crash
+            time.sleep(0.2)  # the reclaimer has run (the miss asked it to)
+            assert mgr.snapshot()["mapped_pages"] == 2, "the pages the miss mapped were not kept for its retry"
             mine = mgr.alloc(32 * 2)
             assert mine is not None
             assert other.ask("free") == "ok"

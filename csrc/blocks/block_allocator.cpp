@@ -321,7 +321,11 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, b
     ++used_pages;
   }
   if (!ok) {
-    // Roll back: the caller sees no change (pages mapped meanwhile stay as reusable empty pages).
+    // Roll back: the caller sees no change. Pages mapped meanwhile stay as reusable empty pages: the demand
+    // was real and its retry will want them, so they count as this window's demand (else the reclaimer,
+    // asked below, would unmap them under the retry).
+    if (used_pages > window_peak_.load(std::memory_order_relaxed))
+      window_peak_.store(used_pages, std::memory_order_relaxed);
     for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
     out.resize(start);
     if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
