@@ -59,7 +59,7 @@ class ElasticBlockPool(BlockPool):
         self._count = SchedulerCount(self._manager)  # what vLLM's scheduler was last told is free
         # Within vLLM's allocate_slots: the blocks it plans to take right after its next free-block check.
         self._checking = False
-        self._planned: int | None = None
+        self._planned = 0
         if self._manager is not None:
             runtime.add_block_pool(self, self._manager.device)
 
@@ -80,8 +80,8 @@ class ElasticBlockPool(BlockPool):
         if self._manager is None:
             return super().get_num_free_blocks()
         cached = len(self._cached_free)
-        planned, self._planned = self._planned, None
-        if planned is not None and self._manager.assured_size() + cached < planned:
+        planned, self._planned = self._planned, 0
+        if planned and self._manager.assured_size() + cached < planned:
             assured = self._manager.prepare(planned - cached) + cached
             if assured < planned:
                 return self._count.report(assured)
@@ -90,12 +90,12 @@ class ElasticBlockPool(BlockPool):
     def begin_allocation(self) -> None:
         """vLLM's ``allocate_slots`` starts: its next free-block check precedes an allocation."""
         self._checking = True
-        self._planned = None
+        self._planned = 0
 
     def end_allocation(self) -> None:
         """``allocate_slots`` returned or raised."""
         self._checking = False
-        self._planned = None
+        self._planned = 0
 
     def plan(self, num_blocks: int) -> None:
         """vLLM computed the blocks it will take if its next check passes (those it allocates and the cached

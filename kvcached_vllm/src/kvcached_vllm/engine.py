@@ -28,7 +28,9 @@ from kvcached_core.backends import cuda_device
 from kvcached_core.manager import instance_name_for, page_bytes_for
 
 from . import runtime
-from .block_pool import ElasticBlockPool
+from .block_pool import ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers
+
+ELASTIC_POOLS = (ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers)  # checked per call: no isinstance walk
 
 logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 
@@ -204,7 +206,7 @@ def allocate_slots(original: Callable[..., Any], manager: Any, *args: Any, **kwa
     (:meth:`ElasticBlockPool.get_num_free_blocks`); when the scheduler cannot get blocks because the device
     is full, tell the other engines on it (they give back cached prefix blocks)."""
     pool = manager.block_pool
-    if not isinstance(pool, ElasticBlockPool) or not pool.elastic:
+    if type(pool) not in ELASTIC_POOLS or pool._manager is None:
         return original(manager, *args, **kwargs)
     pool.begin_allocation()
     try:
@@ -222,9 +224,10 @@ def plan_blocks(original: Callable[..., Any], coordinator: Any, *args: Any, **kw
     """AROUND ``KVCacheCoordinator.get_num_blocks_to_allocate``: the elastic pool learns how many blocks
     ``allocate_slots`` is about to check for and take."""
     num_blocks = original(coordinator, *args, **kwargs)
-    pool = coordinator.block_pool
-    if isinstance(pool, ElasticBlockPool):
-        pool.plan(num_blocks)
+    if num_blocks:  # none to take: nothing to map first
+        pool = coordinator.block_pool
+        if type(pool) in ELASTIC_POOLS:
+            pool.plan(num_blocks)
     return num_blocks
 
 
