@@ -176,6 +176,10 @@ std::int64_t BlockAllocator::allowed_pages() const noexcept {
   return static_cast<std::int64_t>(limit / (page_bytes_ * static_cast<std::uint64_t>(config_.num_buffers)));
 }
 
+void BlockAllocator::note_demand(std::int64_t pages) noexcept {
+  if (pages > window_peak_.load(std::memory_order_relaxed)) window_peak_.store(pages, std::memory_order_relaxed);
+}
+
 std::int64_t BlockAllocator::target_empty_pages() const noexcept {
   const std::int64_t used = used_pages_.load(std::memory_order_relaxed);
   // No window (reclaim_delay_ms = 0): only the reserve stays.
@@ -324,15 +328,13 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, b
     // Roll back: the caller sees no change. Pages mapped meanwhile stay as reusable empty pages: the demand
     // was real and its retry will want them, so they count as this window's demand (else the reclaimer,
     // asked below, would unmap them under the retry).
-    if (used_pages > window_peak_.load(std::memory_order_relaxed))
-      window_peak_.store(used_pages, std::memory_order_relaxed);
+    note_demand(used_pages);
     for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
     out.resize(start);
     if (empty_pages_.load(std::memory_order_relaxed) > target_empty_pages()) request_reclaim();
     return reject();
   }
-  if (used_pages > window_peak_.load(std::memory_order_relaxed))
-    window_peak_.store(used_pages, std::memory_order_relaxed);
+  note_demand(used_pages);
   kvcached::count(counters_.allocation_successes_total);
   kvcached::count(counters_.allocated_blocks_total, static_cast<std::uint64_t>(count));
   return true;
@@ -413,9 +415,7 @@ std::int64_t BlockAllocator::prepare(std::int64_t count) {
     if (map_next_page() != MapResult::kMapped) break;  // a driver error propagates: nothing to roll back
   }
   // The pages are about to be used: the reclaimer keeps them as this window's demand.
-  const std::int64_t planned =
-      used_pages_.load(std::memory_order_relaxed) + empty_pages_.load(std::memory_order_relaxed);
-  if (planned > window_peak_.load(std::memory_order_relaxed)) window_peak_.store(planned, std::memory_order_relaxed);
+  note_demand(used_pages_.load(std::memory_order_relaxed) + empty_pages_.load(std::memory_order_relaxed));
   return assured_size();
 }
 

@@ -151,6 +151,8 @@ class BlockAllocator {
   std::size_t logical_page_bytes() const { return page_bytes_ * static_cast<std::size_t>(config_.num_buffers); }
   std::int64_t allowed_pages() const noexcept;
   std::int64_t target_empty_pages() const noexcept;
+  // `pages` were wanted in this reclaim window: the reclaimer keeps that many mapped (caller holds mu_).
+  void note_demand(std::int64_t pages) noexcept;
   std::int64_t capacity_of_pages(std::int64_t pages, bool may_include_tail) const noexcept;  // lower bound
   // Free blocks on mapped pages that alloc() may hand out now, within the memory limit; `new_pages` gets how
   // many unmapped pages the limit lets become used besides (0 when closed or over the limit).

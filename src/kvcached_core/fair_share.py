@@ -1,6 +1,6 @@
 """Fair share under pressure: when another engine on the device falls short of memory, an engine that holds
-more than an equal share of the device's KV memory yields down to that share, and grows back only into
-memory the device leaves spare.
+more than an equal share of the device's KV memory yields down to that share, and keeps to it while the
+short engine may still need it.
 
 Without it, a busy engine keeps every page it mapped in its burst, and a neighbour whose burst comes next
 waits for that engine's requests to finish (seen on an H200 with three engines: one held 101 GiB while a
@@ -54,7 +54,7 @@ class FairShare:
         self.device = host_device_label(device)
         self._capped = False
         self._last_shortfall = 0.0
-        self._last_raise = 0.0
+        self._last_look = 0.0
         self._claims: dict[int, float] = {}  # pid of an engine that fell short -> when it last did
 
     def _my_pools(self) -> list:
@@ -112,8 +112,9 @@ class FairShare:
         """``LIFT_S`` after the last shortfall and at most once per ``LIFT_S``: lift the caps once no claim is
         left, or else let them grow into this engine's part of the spare memory that the claims leave."""
         now = time.monotonic()
-        if not self._capped or now - max(self._last_shortfall, self._last_raise) < self.LIFT_S:
+        if not self._capped or now - max(self._last_shortfall, self._last_look) < self.LIFT_S:
             return
+        self._last_look = now  # the segments are read once per LIFT_S, not at every watch interval
         pools = self._my_pools()
         held = held_per_process(self.settings, self.device)
         # A claim ends CLAIM_S after its engine's last shortfall, or with its engine.
@@ -130,7 +131,6 @@ class FairShare:
         room = spare - kept
         if room < min(m.page_bytes * m.num_buffers for m in pools):
             return  # nothing beyond what the claims keep: the caps hold
-        self._last_raise = now
         caps = sum(m.yield_cap or 0 for m in pools)
         mine = held.get(os.getpid(), 0)
         if mine + room // len(held) > caps:
