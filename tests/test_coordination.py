@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -220,6 +221,50 @@ def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkey
         child.wait()
 
 
+NEIGHBOUR = textwrap.dedent(
+    """
+    import sys, kvcached_core as kc
+    m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1,
+                          reserved_pages=0, pool_target=0, pool_max=0, name="neighbour")
+    held = m.alloc(16)
+    m._control.publish()
+    print("ok", flush=True)
+    from kvcached_core.pressure import DevicePressure
+    for command in iter(sys.stdin.readline, ""):  # "short", "grow": 16 MiB more, "free": everything back
+        if command.strip() == "short":
+            DevicePressure(kc.load_settings(), "cpu").signal()
+        elif command.strip() == "grow":
+            held += m.alloc(16)
+        else:
+            m.free(held)
+            held = []
+            m.trim()
+        m._control.publish()
+        print("ok", flush=True)
+    """
+)
+
+
+def start_neighbour() -> tuple[subprocess.Popen, Callable[[str], None]]:
+    """A process holding 16 MiB of the host budget (KVCACHED_RUNTIME_DIR and the budget come from the
+    environment), and a function that sends it a command and waits for it to be done."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR],
+        env=dict(os.environ, KVCACHED_FAIR_SHARE="0"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def tell(command: str) -> None:
+        child.stdin.write(command + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"
+
+    assert child.stdout.readline().strip() == "ok"
+    return child, tell
+
+
 def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(tmp_path, monkeypatch):
     """On a 64 MiB host budget the caps outlast the neighbour's shortfalls: it stopped signalling because it
     has its share, not because it no longer needs it, and lifting then would only start the next round of
@@ -236,45 +281,13 @@ def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(t
     for name, value in (("RUNTIME_DIR", str(tmp_path)), ("HOST_DEVICE_BYTES", "64MiB"), ("FAIR_SHARE", "1")):
         monkeypatch.setenv(f"KVCACHED_{name}", value)
     settings = load_settings()
-    code = textwrap.dedent(
-        """
-        import sys, kvcached_core as kc
-        m = kc.KVCacheManager(num_blocks=64, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1,
-                              reserved_pages=0, pool_target=0, pool_max=0, name="neighbour")
-        held = m.alloc(16)
-        m._control.publish()
-        print("ok", flush=True)
-        from kvcached_core.pressure import DevicePressure
-        for command in iter(sys.stdin.readline, ""):  # "short", "grow": 16 MiB more, "free": everything back
-            if command.strip() == "short":
-                DevicePressure(kc.load_settings(), "cpu").signal()
-            elif command.strip() == "grow":
-                held += m.alloc(16)
-            else:
-                m.free(held)
-                held = []
-                m.trim()
-            m._control.publish()
-            print("ok", flush=True)
-        """
-    )
-    env = dict(os.environ, KVCACHED_FAIR_SHARE="0")
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-
-    def tell(command: str) -> None:
-        child.stdin.write(command + "\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "ok"
-
+    child, tell = start_neighbour()
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
     )
     monkeypatch.setattr(FairShare, "CLAIM_S", 5.0)
     watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
     try:
-        assert child.stdout.readline().strip() == "ok"
         held = mine.alloc(48)  # 48 + 16 MiB: the budget is full
         assert held is not None and mine.device_spare_bytes() == 0
         assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 48 * MiB, 2))
@@ -294,6 +307,52 @@ def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(t
         assert wait_for(lambda: mine.yield_cap is None, timeout=8)
         assert time.monotonic() - freed >= FairShare.CLAIM_S - 2 * FairShare.LIFT_S  # the claim ran out first
         assert mine.alloc(16) is not None
+    finally:
+        watch.close()
+        mine.close()
+        child.kill()
+        child.wait()
+
+
+def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_path, monkeypatch):
+    """``KVCACHED_FAIR_SHARE_WAIT_MS``: a neighbour's shortfall is left to the engines' own requests finishing
+    until it has lasted the wait. A lone shortfall, and one after a break of more than ``LIFT_S`` (its wait
+    starts over), cap nothing; shortfalls kept up for the wait cap this process at an equal share."""
+    from conftest import wait_for
+
+    from kvcached_core import KVCacheManager
+    from kvcached_core.fair_share import FairShare
+    from kvcached_core.pressure import PressureWatch
+
+    MiB = 1 << 20
+    for name, value in (
+        ("RUNTIME_DIR", str(tmp_path)),
+        ("HOST_DEVICE_BYTES", "64MiB"),
+        ("FAIR_SHARE", "1"),
+        ("FAIR_SHARE_WAIT_MS", "2000"),
+    ):
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    settings = load_settings()
+    child, tell = start_neighbour()
+    mine = KVCacheManager(
+        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
+    )
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    try:
+        assert mine.alloc(48) is not None
+        assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 48 * MiB, 2))
+        tell("short")
+        time.sleep(1.5 * FairShare.LIFT_S)  # a break: the next shortfall starts a new wait
+        tell("short")
+        time.sleep(0.5)
+        assert mine.yield_cap is None
+        started = time.monotonic()  # 2 s after the first signal: without the break's reset, capped at once
+        while mine.yield_cap is None and time.monotonic() - started < 10:
+            tell("short")  # a short engine signals at every failed step
+            time.sleep(0.2)
+        waited = time.monotonic() - started
+        assert mine.yield_cap == 32 * MiB
+        assert 1.2 <= waited <= 4  # the wait, 2 s from the signal before the loop (0.5 s before it)
     finally:
         watch.close()
         mine.close()

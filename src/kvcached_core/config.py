@@ -93,6 +93,7 @@ class Settings:
     prefix_cache_bytes: int = 512 << 20
     prefix_cache_floor_bytes: int = 0
     fair_share: bool = False
+    fair_share_wait_ms: int = 0
     kv_layout: str = "engine"
     runtime_dir: str | None = None
 
@@ -166,6 +167,13 @@ SETTINGS: dict[str, Setting] = {
         "the device's KV memory gives back down to it (preempting requests); the short engine's share stays "
         "kept for it until 30 s after its last shortfall, the rest is lent; 0 = only cached prefixes and idle "
         "pages are given back",
+    ),
+    "fair_share_wait_ms": Setting(
+        "KVCACHED_FAIR_SHARE_WAIT_MS",
+        _non_negative_int,
+        "with KVCACHED_FAIR_SHARE, how long a neighbour must have been short (signals at most a second apart) "
+        "before engines yield to it; a shorter wait is left to the neighbours' own requests finishing "
+        "(0 = yield at its first shortfall)",
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",
