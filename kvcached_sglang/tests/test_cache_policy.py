@@ -136,3 +136,53 @@ def test_releasing_the_kv_cache_unmaps_its_pages_at_once(sglang_loaded, monkeypa
     release_kv_memory(None, updater, ReleaseMemoryOccupationReqInput(tags=["kv_cache"]))
     after = engine.manager.snapshot()
     assert after["mapped_pages"] == after["used_pages"] < snap["mapped_pages"]  # only SGLang's null page stays
+
+
+FILL_THE_BUDGET = """
+import sys, kvcached_core as kc
+m = kc.KVCacheManager(num_blocks=512, block_bytes=1 << 20, num_layers=1, num_kv_buffers=1, reserved_pages=0,
+                      pool_target=0, pool_max=0, name="neighbour")
+held = m.alloc(m.available_size())
+assert held, "nothing of the host budget was left to fill"
+print(len(held), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_device_filled_after_the_check_is_met_from_the_engines_own_radix_cache(sglang_loaded, monkeypatch):
+    """SGLang checks ``available_size()``, then allocates, and dies if the allocation fails. When another
+    process fills the device in between (here: the host budget), the allocation the check promised takes
+    room from the engine's own radix cache (as much as it needs, the rest stays cached) and tells the other
+    engines, instead of waiting for memory no one gives back and failing. Without the policy's ``make_room``
+    the same allocation raises after 5 s."""
+    from kvcached_core import load_settings
+    from kvcached_core.pressure import DevicePressure
+    from kvcached_sglang.cache_policy import CachePolicy
+
+    monkeypatch.setenv("KVCACHED_POOL_TARGET", "0")  # no physical pages kept ready: a new page needs the budget
+    monkeypatch.setenv("KVCACHED_POOL_MAX", "0")
+    engine = radix_engine(pages=1024, cached_pages=64)
+    allocator, manager = engine.token_to_kv_pool_allocator, engine.manager
+    policy = CachePolicy.of(engine)
+    running = allocator.alloc(manager.assured_size() * PAGE)  # requests fill every mapped page
+    assert running is not None and manager.assured_size() == 0
+    reported = allocator.available_size()  # the scheduler's check: the budget still has room
+    assert reported >= 8 * PAGE
+    neighbour = run_python(FILL_THE_BUDGET)
+    try:
+        assert int(neighbour.stdout.readline()) > 0, neighbour.stderr.read()
+        assert manager.device_spare_bytes() < manager.page_bytes * manager.num_buffers
+        record = DevicePressure(load_settings(), "cpu")
+        before = record.read()
+        started = time.monotonic()
+        out = allocator.alloc(8 * PAGE)
+        assert out is not None and out.numel() == 8 * PAGE
+        assert time.monotonic() - started < 1  # no wait for the neighbour
+        assert engine.tree_cache.evictable_size() == (64 - 8) * PAGE  # what it needed, no more
+        after = record.read()
+        assert after is not None and after.pid == os.getpid()
+        assert after.sequence == (before.sequence if before else 0) + 1
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+        policy.close()

@@ -67,6 +67,11 @@ class ElasticAllocatorMixin:
     def _give(self, page_ids: torch.Tensor) -> None:
         self._ids.give(page_ids)
 
+    def when_short(self, make_room: Callable[[int], None]) -> None:
+        """``make_room(pages)`` runs between tries while an allocation the scheduler was promised waits for
+        memory the device no longer has; what it frees is used."""
+        self._ids.make_room = make_room
+
     def _elastic_available(self) -> int:
         return self._ids.available() * self.page_size
 
@@ -290,6 +295,10 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
         return self._ids.take(need_size)
+
+    def when_short(self, make_room: Callable[[int], None]) -> None:
+        """As :meth:`ElasticAllocatorMixin.when_short`, for slots."""
+        self._ids.make_room = make_room
 
     def free(self, free_index: torch.Tensor) -> None:
         """Gives these slots back to kvcached."""

@@ -12,6 +12,10 @@ inside its loop, as SGLang's own eviction is:
   ``KVCACHED_PREFIX_CACHE_FLOOR_BYTES`` and unmaps its empty pages at once;
 - when requests wait for memory that the device (not this engine's limit) lacks, this engine tells the
   others (:class:`kvcached_core.pressure.PressureWatch`);
+- when an allocation the scheduler already counted on finds the device full (another engine mapped the
+  memory since SGLang's check, and SGLang treats a failed allocation as fatal), the engine evicts that many
+  tokens of its own radix cache, as SGLang does before its own allocations, and tells the others, while
+  kvcached waits for the memory (:meth:`kvcached_core.KVCacheManager.alloc_promised`);
 - ``release_memory_occupation`` with the KV cache among its tags (what RL frameworks call between rollouts)
   unmaps every page at once: SGLang flushes the cache, and the memory is back before the call returns.
 """
@@ -40,6 +44,10 @@ class CachePolicy:
         self.floor_tokens = settings.prefix_cache_floor_bytes // block_bytes * self.tokens_per_block
         self.watch = PressureWatch(settings, kv.device, self._has_spare)
         self.given_back = 0  # tokens evicted for other engines, for tests and logs
+        scheduler.token_to_kv_pool_allocator.when_short(self.make_room)
+        mamba = getattr(scheduler.req_to_token_pool, "mamba_allocator", None)
+        if others and mamba is not None:
+            mamba.when_short(lambda _slots: self.tell_others())
 
     @classmethod
     def of(cls, scheduler: Any) -> CachePolicy | None:
@@ -62,14 +70,29 @@ class CachePolicy:
             return True
         return any(m.has_idle_pages() for m in self.managers)
 
-    def _evict_down_to(self, keep_tokens: int) -> int:
+    def _evict(self, num_tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+        self.scheduler.tree_cache.evict(EvictParams(num_tokens=num_tokens))
+
+    def _evict_down_to(self, keep_tokens: int) -> int:
         excess = self._evictable_tokens() - keep_tokens
         if excess <= 0:
             return 0
-        self.scheduler.tree_cache.evict(EvictParams(num_tokens=excess))
+        self._evict(excess)
         return excess
+
+    def tell_others(self) -> None:
+        """This engine is short of memory the device (not its own limit) lacks: tell the other engines."""
+        self.watch.report_shortfall(self.kv.physically_short)
+
+    def make_room(self, pages: int) -> None:
+        """An allocation of ``pages`` pages that the scheduler counted on waits for memory the device no
+        longer has: evict that many tokens of the radix cache (pages this engine holds mapped, so the
+        allocation can have them) and tell the other engines."""
+        if self._evictable_tokens() > 0:
+            self._evict(pages * self.tokens_per_block)
+        self.tell_others()
 
     def on_idle(self) -> None:
         """The scheduler is fully idle: keep the radix cache within its budget, and give back to a short
@@ -95,7 +118,7 @@ class CachePolicy:
             return
         need = len(waiting[0].origin_input_ids) // self.tokens_per_block + 1
         if self.kv.available_size() < need:
-            self.watch.report_shortfall(self.kv.physically_short)
+            self.tell_others()
 
     def release(self) -> int:
         """Unmap every page no block is on (SGLang has flushed its cache); returns the bytes given back."""

@@ -11,6 +11,7 @@ done, at the next take or count (counted as available meanwhile, waited for only
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ class DeviceIds:
         self._cuda = torch.device(device).type == "cuda"
         self._freeing: deque[tuple[Any, torch.Tensor]] = deque()  # (copy-done event, pinned host ids)
         self.pending = 0  # ids given back whose copy to the host has not been handed to kvcached yet
+        # Called with the number of ids while a take the scheduler was promised waits for memory.
+        self.make_room: Callable[[int], None] | None = None
 
     def take(self, n: int) -> torch.Tensor | None:
         """``n`` ids as an int64 tensor on the device, or None when kvcached cannot serve them now (and the
@@ -46,7 +49,7 @@ class DeviceIds:
         if served:
             self.count.took(n)
         else:
-            ids = self.count.honour(n, None)
+            ids = self.count.honour(n, None, on_short=self._on_short(n))
             if ids is None:
                 return None
             host.copy_(torch.tensor(ids, dtype=torch.int64))
@@ -87,6 +90,17 @@ class DeviceIds:
         as the scheduler's count)."""
         self.settle()
         return self.count.report(self.manager.available_size() + self.pending)
+
+    def _on_short(self, n: int) -> Callable[[], None] | None:
+        if self.make_room is None:
+            return None
+        make_room = self.make_room
+
+        def on_short() -> None:
+            make_room(n)
+            self.settle(wait=True)  # what it freed reaches kvcached before the next try
+
+        return on_short
 
     def forget(self) -> None:
         """After the manager's ``clear()``: nothing is held, and gives still on their way are void."""
