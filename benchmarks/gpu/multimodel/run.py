@@ -234,6 +234,17 @@ def compare(args: argparse.Namespace) -> dict:
             raise SystemExit(f"run.py compare: no {path}; run `{command}` first")
         with open(path) as f:
             runs[config] = json.load(f)
+    static_traffic, elastic_traffic = runs["static"]["traffic"], runs["elastic"]["traffic"]
+    if static_traffic != elastic_traffic:
+        differ = ", ".join(
+            f"{k} {static_traffic.get(k)} vs {elastic_traffic.get(k)}"
+            for k in sorted(set(static_traffic) | set(elastic_traffic))
+            if static_traffic.get(k) != elastic_traffic.get(k)
+        )
+        raise SystemExit(
+            f"run.py compare: the static and elastic runs in {args.out} replayed different traffic ({differ}); "
+            "run both with the same options"
+        )
     models = runs["static"]["models"]
     summary: dict = {"models": models, "slo_s": args.slo_s, "per_model": {}}
     for i, name in enumerate(models):
