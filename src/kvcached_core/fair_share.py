@@ -95,7 +95,7 @@ class FairShare:
         for m, pool_mapped in mapped.items():
             m.yield_cap = pool_mapped * total_cap // total if total else total_cap // len(mapped)
 
-    def short_for(self, pid: int, now: float) -> float:
+    def _short_for(self, pid: int, now: float) -> float:
         """Record a shortfall signal of engine ``pid`` at ``now``; returns how long it has been short without a
         break of more than ``LIFT_S`` (0 at the first signal after a break)."""
         start, last = self._short.get(pid, (now, now))
@@ -106,11 +106,11 @@ class FairShare:
         return now - start
 
     def on_shortfall(self, pid: int) -> bool:
-        """Engine ``pid`` on the device fell short: once it has been short for ``KVCACHED_FAIR_SHARE_WAIT_MS``,
-        it holds a claim on an equal share, and this process's pools there are capped at an equal share if it
-        holds more than one. Returns whether they are capped."""
+        """Engine ``pid`` on the device fell short: once it has been short for ``KVCACHED_FAIR_SHARE_WAIT_MS``
+        (at once while it holds a claim), it holds a claim on an equal share, and this process's pools there
+        are capped at an equal share if it holds more than one. Returns whether they are capped."""
         now = time.monotonic()
-        if self.short_for(pid, now) < self._wait_s:
+        if self._short_for(pid, now) < self._wait_s and pid not in self._claims:
             return self._capped  # left to the neighbours' own requests finishing, for now
         self._last_shortfall = now
         self._claims[pid] = now
