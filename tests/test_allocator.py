@@ -8,6 +8,8 @@ import time
 import pytest
 from conftest import wait_for
 
+import kvcached_core as kc
+
 BLOCKS_PER_PAGE = 32  # 64 KiB blocks in 2 MiB pages
 LOGICAL_PAGE = 2 * 1024 * 1024 * 4  # 2 layers x K/V: one logical page maps 4 physical pages
 
@@ -266,3 +268,60 @@ def test_short_last_page_does_not_shrink_reported_availability(make_manager):
     mgr.free(rest)
     mgr.trim()
     assert mgr.available_size() == 129
+
+
+def test_pages_are_mapped_ahead_of_a_growing_load_off_its_path(make_manager):
+    """``map_ahead_pages``: an allocation that leaves fewer empty pages mapped than that makes a background
+    thread map more, so the load's next allocations take pages already mapped instead of mapping on their own
+    path. Nothing is mapped ahead of an engine that has not allocated."""
+    mgr = make_manager(reserved_pages=0, map_ahead_pages=2, reclaim_delay_ms=10_000)
+    time.sleep(0.2)
+    assert mgr.snapshot()["mapped_pages"] == 0
+    held = mgr.alloc(BLOCKS_PER_PAGE)  # page 0, mapped on the caller's path
+    assert wait_for(lambda: mgr.snapshot()["mapped_pages"] == 3)  # two more behind it
+    assert mgr.assured_size() == 2 * BLOCKS_PER_PAGE
+    mgr.set_memory_limit(3 * LOGICAL_PAGE)  # nothing more may be mapped, by anyone
+    maps = mgr.operation_snapshot()["page_maps_total"]
+    more = mgr.alloc(2 * BLOCKS_PER_PAGE)
+    assert more is not None and mgr.operation_snapshot()["page_maps_total"] == maps  # served from them
+    mgr.free(held + more)
+
+
+def test_mapping_ahead_stays_within_the_limit_and_goes_back_when_the_load_stops(make_manager):
+    """Pages mapped ahead never pass the memory limit, and count as the demand window's: once the engine stops
+    allocating they are unmapped like any other empty page (an idle engine keeps nothing ahead)."""
+    mgr = make_manager(reserved_pages=0, map_ahead_pages=4, reclaim_delay_ms=200)
+    mgr.set_memory_limit(2 * LOGICAL_PAGE)
+    held = mgr.alloc(1)
+    assert wait_for(lambda: mgr.snapshot()["mapped_pages"] == 2)
+    time.sleep(0.3)
+    assert mgr.snapshot()["mapped_pages"] == 2  # the limit, not the four asked for
+    mgr.free(held)
+    assert wait_for(lambda: mgr.snapshot()["mapped_pages"] == 0, timeout=5.0)
+    time.sleep(0.5)
+    assert mgr.snapshot()["mapped_pages"] == 0  # nothing mapped again while idle
+
+
+def test_mapping_ahead_stops_quietly_when_the_device_is_full(tmp_path):
+    """On a 64 MiB host budget another manager filled, the background thread maps what fits and stops: no
+    error recorded, the engine's own allocations refuse as a value, and availability never counts a page
+    that cannot be mapped."""
+    MiB = 1 << 20
+    s = kc.load_settings({}, runtime_dir=str(tmp_path / "rt"), host_device_bytes=64 * MiB)
+    kw = dict(device="cpu", settings=s, reserved_pages=0, pool_target=0, pool_max=0)
+    other = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="other", **kw)
+    mine = kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="mine", map_ahead_pages=8, **kw)
+    try:
+        assert other.alloc(5 * BLOCKS_PER_PAGE) is not None  # 40 of the 64 MiB: three page rows are left
+        held = mine.alloc(1)
+        assert wait_for(lambda: mine.snapshot()["mapped_pages"] == 3)
+        time.sleep(0.3)
+        snap = mine.snapshot()
+        assert snap["mapped_pages"] == 3 and mine.operation_snapshot()["last_error_code"] == 0
+        assert mine.available_size() == mine.assured_size() == 3 * BLOCKS_PER_PAGE - 1
+        assert mine.alloc(3 * BLOCKS_PER_PAGE) is None  # one block more than fits: a refusal, not an error
+        assert mine.alloc(3 * BLOCKS_PER_PAGE - 1) is not None
+        mine.free(held)
+    finally:
+        mine.close()
+        other.close()

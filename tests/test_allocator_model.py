@@ -90,3 +90,28 @@ class AllocatorModel(RuleBasedStateMachine):
 
 AllocatorModel.TestCase.settings = hyp_settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestAllocatorModel = AllocatorModel.TestCase
+
+
+class AllocatorModelMappingAhead(AllocatorModel):
+    """The same sequences with a background thread mapping two pages ahead of every allocation: its pages
+    in flight never make an allocation miss, hand out a block twice or pass the limit."""
+
+    AHEAD = 2
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        s = kc.load_settings({}, reclaim_delay_ms=0)
+        self.mgr = kc.KVCacheManager(
+            NUM_BLOCKS, BLOCK, 1, 2, device="cpu", settings=s, reserved_pages=1, map_ahead_pages=self.AHEAD
+        )
+        self.held = set()
+        self.limit = None
+
+    @rule()
+    def trim(self) -> None:
+        self.mgr.trim()  # pages may be mapped ahead again right after it, never more than AHEAD
+        assert self.used_pages() <= self.mgr.snapshot()["mapped_pages"] <= self.used_pages() + self.AHEAD
+
+
+AllocatorModelMappingAhead.TestCase.settings = AllocatorModel.TestCase.settings
+TestAllocatorModelMappingAhead = AllocatorModelMappingAhead.TestCase

@@ -174,6 +174,24 @@ def test_prepare_maps_ahead_and_counts_only_what_is_mapped_once_the_device_fills
     mgr.free(ids)
 
 
+def test_pages_mapped_ahead_by_the_background_thread_hold_data(cuda_manager):
+    """``map_ahead_pages`` on CUDA: the reclaimer thread (its own CUDA context binding) maps pages ahead of
+    the load, and blocks on them are written and read back like any others."""
+    mgr = one_buffer(cuda_manager, 1 << 10, reserved_pages=0, map_ahead_pages=4, reclaim_delay_ms=60_000)
+    first = mgr.alloc(1)
+    assert wait_for(lambda: mgr.snapshot()["mapped_pages"] == 5)
+    assert mgr.assured_size() == 4 * 8 + 7 and mgr.operation_snapshot()["last_error_code"] == 0
+    mgr.set_memory_limit(5 * 2 * MiB)  # what follows is served from those pages alone
+    ids = mgr.alloc(4 * 8 + 7)
+    assert ids is not None
+    buf = mgr.buffer(0, 1).view(torch.int32).view(1 << 10, -1)
+    idx = torch.tensor(first + ids, device="cuda")
+    buf[idx] = idx.to(torch.int32).view(-1, 1)
+    torch.cuda.synchronize()
+    assert torch.equal(buf[idx], idx.to(torch.int32).view(-1, 1).expand(-1, buf.shape[1]))
+    mgr.free(first + ids)
+
+
 def test_the_default_headroom_stays_free_on_the_device(cuda_manager):
     """KVCACHED_DEVICE_HEADROOM's default (1 GiB on CUDA): with another user holding all but 1.5 GiB, the KV
     cache grows by at most 512 MiB, and the device keeps at least 1 GiB free for the engines' own tensors."""

@@ -27,8 +27,9 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
   if (c.block_bytes <= 0) throw InvalidArgument("block_bytes must be positive, got " + std::to_string(c.block_bytes));
   if (c.num_buffers <= 0)
     throw InvalidArgument("num_layers * num_kv_buffers must be positive, got " + std::to_string(c.num_buffers));
-  if (c.reserved_pages < 0 || c.reclaim_delay_ms < 0 || c.pool_target < 0 || c.pool_max < 0)
-    throw InvalidArgument("reserved_pages, reclaim_delay_ms, pool_target and pool_max must not be negative");
+  if (c.reserved_pages < 0 || c.map_ahead_pages < 0 || c.reclaim_delay_ms < 0 || c.pool_target < 0 || c.pool_max < 0)
+    throw InvalidArgument(
+        "reserved_pages, map_ahead_pages, reclaim_delay_ms, pool_target and pool_max must not be negative");
 
   const std::size_t gran = backend_->granularity();
   const auto block = static_cast<std::size_t>(c.block_bytes);
@@ -238,6 +239,16 @@ void BlockAllocator::return_block(std::int32_t block) {
   }
 }
 
+BlockAllocator::MapResult BlockAllocator::map_or_wait(std::unique_lock<std::mutex>& lock, std::int64_t allowed) {
+  const std::int64_t mapped = mapped_pages_.load(std::memory_order_relaxed);
+  if (inflight_ > 0 && (unmapped_.empty() || mapped + inflight_ >= allowed)) {
+    ahead_done_.wait(lock, [this] { return inflight_ == 0; });  // milliseconds: one page's map calls
+    return MapResult::kRetry;
+  }
+  if (mapped >= allowed) return MapResult::kNoPage;
+  return map_next_page();
+}
+
 BlockAllocator::MapResult BlockAllocator::map_next_page() {
   if (unmapped_.empty()) return MapResult::kNoPage;
   const std::int32_t page_id = unmapped_.back();
@@ -268,7 +279,7 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
 
 bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit) {
   if (count <= 0) throw InvalidArgument("alloc() needs a positive number of blocks, got " + std::to_string(count));
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   check_open();
   kvcached::count(counters_.allocation_requests_total);
   auto reject = [this] {
@@ -301,19 +312,16 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, b
       break;
     }
     if (empty_.items.empty()) {
-      if (mapped_pages_.load(std::memory_order_relaxed) >= allowed) {
-        ok = false;
-        break;
-      }
       MapResult r;
       try {
-        r = map_next_page();
+        r = map_or_wait(lock, allowed);
       } catch (...) {
         for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
         out.resize(start);
         kvcached::count(counters_.allocation_errors_total);
         throw;
       }
+      if (r == MapResult::kRetry) continue;
       if (r != MapResult::kMapped) {
         ok = false;
         break;
@@ -335,6 +343,9 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, b
     return reject();
   }
   note_demand(used_pages);
+  if (empty_pages_.load(std::memory_order_relaxed) < config_.map_ahead_pages &&
+      !ahead_requested_.exchange(true, std::memory_order_relaxed))
+    reclaim_cv_.notify_one();
   kvcached::count(counters_.allocation_successes_total);
   kvcached::count(counters_.allocated_blocks_total, static_cast<std::uint64_t>(count));
   return true;
@@ -408,11 +419,13 @@ std::int64_t BlockAllocator::available_size() const noexcept {
 }
 
 std::int64_t BlockAllocator::prepare(std::int64_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   check_open();
   const std::int64_t allowed = allowed_pages();
-  while (assured_size() < count && mapped_pages_.load(std::memory_order_relaxed) < allowed) {
-    if (map_next_page() != MapResult::kMapped) break;  // a driver error propagates: nothing to roll back
+  while (assured_size() < count) {
+    const MapResult r = map_or_wait(lock, allowed);  // a driver error propagates: nothing to roll back
+    if (r == MapResult::kRetry) continue;
+    if (r != MapResult::kMapped) break;
   }
   // The pages are about to be used: the reclaimer keeps them as this window's demand.
   note_demand(used_pages_.load(std::memory_order_relaxed) + empty_pages_.load(std::memory_order_relaxed));
@@ -480,14 +493,65 @@ void BlockAllocator::unmap_pages(const std::vector<std::int32_t>& victims) {
     pages_[p].state = outcome;
     bump(mapped_pages_, std::int64_t{-1});
     if (outcome == PageState::kUnmapped) {
-      if (page_id == tail_page_) {
-        unmapped_.insert(unmapped_.begin(), page_id);
-        tail_unmapped_.store(true, std::memory_order_relaxed);
-      } else {
-        unmapped_.push_back(page_id);
-      }
+      push_unmapped(page_id);
       bump(unmapped_pages_, std::int64_t{1});
     }
+  }
+}
+
+void BlockAllocator::push_unmapped(std::int32_t page_id) {
+  if (page_id == tail_page_) {
+    unmapped_.insert(unmapped_.begin(), page_id);
+    tail_unmapped_.store(true, std::memory_order_relaxed);
+  } else {
+    unmapped_.push_back(page_id);
+  }
+}
+
+void BlockAllocator::map_ahead() {
+  std::lock_guard<std::mutex> serial(unmap_mu_);  // never beside trim()'s unmapping
+  for (;;) {
+    std::int32_t page_id;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed() || unmapped_.empty() || empty_pages_.load(std::memory_order_relaxed) >= config_.map_ahead_pages ||
+          mapped_pages_.load(std::memory_order_relaxed) >= allowed_pages())
+        return;
+      // Off the stack, so no alloc() maps it too; still counted as unmapped, so availability and the
+      // capacity check see it, and as in flight against the limit. An alloc() that needs it waits for it.
+      page_id = unmapped_.back();
+      unmapped_.pop_back();
+      pages_[static_cast<std::size_t>(page_id)].state = PageState::kMapping;
+      ++inflight_;
+    }
+    PageCalls calls;
+    bool mapped = false;
+    try {
+      mapped = region_->map_page(static_cast<std::size_t>(page_id), config_.zero_on_map, calls);
+    } catch (const std::exception& e) {
+      record_error(e);  // nothing is mapped; the engine's own next map meets the same error
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    count_calls(calls);
+    --inflight_;
+    ahead_done_.notify_all();  // an alloc() waiting for this page looks again once the lock is free
+    Page& page = pages_[static_cast<std::size_t>(page_id)];
+    if (!mapped) {  // no memory (or an error): stop; the engine's own allocations see it as usual
+      page.state = PageState::kUnmapped;
+      push_unmapped(page_id);
+      return;
+    }
+    if (page_id == tail_page_) tail_unmapped_.store(false, std::memory_order_relaxed);
+    bump(unmapped_pages_, std::int64_t{-1});
+    bump(mapped_pages_, std::int64_t{1});
+    if (page_table_) page_table_->set_page(page_id, true);
+    count(counters_.manager_page_allocations_total);
+    page.state = PageState::kMapped;
+    list_insert(ListId::kEmpty, page_id);
+    bump(empty_pages_, std::int64_t{1});
+    bump(empty_free_, static_cast<std::int64_t>(page.capacity));
+    // The load is growing into them: the reclaimer keeps them as this window's demand.
+    note_demand(used_pages_.load(std::memory_order_relaxed) + empty_pages_.load(std::memory_order_relaxed));
   }
 }
 
@@ -522,9 +586,14 @@ void BlockAllocator::reclaimer_loop() {
   auto window_end = steady_clock::now() + window;
   std::unique_lock<std::mutex> lock(reclaim_mu_);
   while (!stop_) {
-    reclaim_cv_.wait_for(lock, poll, [this] { return stop_ || reclaim_requested_.load(); });
+    reclaim_cv_.wait_for(lock, poll, [this] { return stop_ || reclaim_requested_.load() || ahead_requested_.load(); });
     if (stop_) break;
     reclaim_requested_.store(false);
+    if (ahead_requested_.exchange(false)) {
+      lock.unlock();
+      map_ahead();
+      lock.lock();
+    }
     if (steady_clock::now() >= window_end) {
       // A new window: demand older than the previous window no longer keeps pages mapped.
       std::lock_guard<std::mutex> state(mu_);

@@ -10,7 +10,10 @@
 // Freed pages stay mapped while recent demand reached them: the most pages in use during the current and
 // the previous reclaim window (`reclaim_delay_ms`) stay mapped, at least `reserved_pages` empty ones, so a
 // serving engine whose load goes up and down within a window maps nothing anew. A reclaimer thread unmaps
-// the rest after a backend fence, never on the caller's path; trim() unmaps every empty page at once.
+// the rest after a backend fence, never on the caller's path; trim() unmaps every empty page at once. With
+// `map_ahead_pages`, the same thread also maps pages ahead of an engine that is allocating, outside the
+// allocator's lock, so that a growing load finds mapped empty pages instead of mapping on its own path;
+// pages mapped ahead count as the window's demand and go back like any other when the load stops.
 // Virtual capacity, physical memory and the memory limit all bound alloc() and available_size(); a miss
 // returns false (never throws).
 #pragma once
@@ -44,6 +47,7 @@ struct AllocatorConfig {
   std::int64_t page_bytes = 0;           // 0 = automatic: 2 MiB, or the smallest granule multiple above a block
   bool reserve_null_block = false;       // block 0 is never handed out; its page stays mapped
   std::int64_t reserved_pages = 2;       // mapped empty pages kept for reuse
+  std::int64_t map_ahead_pages = 0;      // empty pages mapped ahead of an allocating engine, off its path (0 = none)
   std::int64_t reclaim_delay_ms = 1000;  // demand window: empty pages used within 1-2 windows stay mapped
   std::int64_t pool_target = 4;          // physical handles the pool thread keeps ready (0 = none)
   std::int64_t pool_max = 16;            // bound on pooled handles
@@ -125,7 +129,7 @@ class BlockAllocator {
   std::shared_ptr<const ErrorRecord> last_error() const noexcept { return std::atomic_load(&last_error_); }
 
  private:
-  enum class PageState : std::uint8_t { kUnmapped, kMapped, kUnmapping, kBroken };
+  enum class PageState : std::uint8_t { kUnmapped, kMapping, kMapped, kUnmapping, kBroken };
   enum class ListId : std::uint8_t { kNone, kPartial, kEmpty };
 
   struct Page {
@@ -160,9 +164,15 @@ class BlockAllocator {
 
   void take_from_page(std::int32_t page, std::int64_t want, std::vector<std::int32_t>& out);
   void return_block(std::int32_t block);
-  enum class MapResult { kMapped, kNoPage, kNoMemory };
-  MapResult map_next_page();                                 // caller holds mu_
+  enum class MapResult { kMapped, kNoPage, kNoMemory, kRetry };
+  MapResult map_next_page();  // caller holds mu_
+  // Maps the next page within `allowed` pages; when the page that would come next is being mapped ahead,
+  // waits for it instead and returns kRetry (look at the empty pages again). Caller holds mu_ via `lock`.
+  MapResult map_or_wait(std::unique_lock<std::mutex>& lock, std::int64_t allowed);
   void unmap_pages(const std::vector<std::int32_t>& pages);  // caller does NOT hold mu_
+  void push_unmapped(std::int32_t page);                     // back on the unmapped stack; caller holds mu_
+  // Reclaimer thread: maps pages, outside mu_, until `map_ahead_pages` are empty or nothing more may be mapped.
+  void map_ahead();
   std::uint64_t reclaim(std::int64_t keep_empty);
   void request_reclaim();
   void reclaimer_loop();
@@ -211,6 +221,11 @@ class BlockAllocator {
   std::mutex reclaim_mu_;
   std::condition_variable reclaim_cv_;
   std::atomic<bool> reclaim_requested_{false};
+  std::atomic<bool> ahead_requested_{false};
+  // A page being mapped ahead is off the unmapped stack but still counted as unmapped (so availability and
+  // the capacity check see it); `inflight_` counts it against the limit (guarded by mu_).
+  std::int64_t inflight_ = 0;
+  std::condition_variable ahead_done_;  // signalled under mu_ when a page mapped ahead is done
   bool stop_ = false;
   std::thread reclaimer_;
   std::mutex unmap_mu_;  // serializes reclaimer, trim() and close() unmapping

@@ -81,6 +81,7 @@ class Settings:
     enable: bool = True
     page_bytes: int = 0
     reserved_pages: int = 2
+    map_ahead_pages: int = 0
     reclaim_delay_ms: int = 1000
     pool_target: int = 4
     pool_max: int = 16
@@ -111,6 +112,12 @@ SETTINGS: dict[str, Setting] = {
     ),
     "reserved_pages": Setting(
         "KVCACHED_RESERVED_PAGES", _non_negative_int, "mapped empty pages kept for reuse (per manager)"
+    ),
+    "map_ahead_pages": Setting(
+        "KVCACHED_MAP_AHEAD_PAGES",
+        _non_negative_int,
+        "empty pages a background thread keeps mapped ahead of an engine that is allocating, so a growing load "
+        "rarely maps on its own path; they go back with the demand window when the load stops (0 = none)",
     ),
     "reclaim_delay_ms": Setting(
         "KVCACHED_RECLAIM_DELAY_MS",

@@ -107,6 +107,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         reserve_null_block: bool = False,
         page_bytes: int | None = None,
         reserved_pages: int | None = None,
+        map_ahead_pages: int | None = None,
         reclaim_delay_ms: int | None = None,
         pool_target: int | None = None,
         pool_max: int | None = None,
@@ -158,6 +159,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             pool_target=pick(pool_target, s.pool_target, "pool_target"),
             pool_max=pick(pool_max, s.pool_max, "pool_max"),
             zero_on_map=s.zero_on_map if zero_on_map is None else bool(zero_on_map),
+            map_ahead_pages=pick(map_ahead_pages, s.map_ahead_pages, "map_ahead_pages"),
         )
         self._backend = backend
         # The hot calls as plain CPython methods (see csrc/bindings/fast_path.h): no pybind11 dispatch.
