@@ -325,3 +325,17 @@ def test_mapping_ahead_stops_quietly_when_the_device_is_full(tmp_path):
     finally:
         mine.close()
         other.close()
+
+
+def test_without_a_demand_window_mapping_ahead_stops_at_the_reserve(make_manager):
+    """With ``reclaim_delay_ms`` 0 only the reserve stays mapped, so pages are mapped ahead up to the reserve
+    and no further: more would be unmapped at once, and mapped again at the next allocation."""
+    mgr = make_manager(reserved_pages=1, map_ahead_pages=4, reclaim_delay_ms=0)
+    held = mgr.alloc(1)
+    assert wait_for(lambda: mgr.snapshot()["mapped_pages"] == 2)
+    maps = mgr.operation_snapshot()["page_maps_total"]
+    for _ in range(5):
+        mgr.free(mgr.alloc(1))
+        time.sleep(0.05)
+    assert mgr.snapshot()["mapped_pages"] == 2 and mgr.operation_snapshot()["page_maps_total"] == maps
+    mgr.free(held)

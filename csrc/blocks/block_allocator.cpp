@@ -514,9 +514,14 @@ void BlockAllocator::map_ahead() {
     std::int32_t page_id;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (closed() || unmapped_.empty() || empty_pages_.load(std::memory_order_relaxed) >= config_.map_ahead_pages ||
-          mapped_pages_.load(std::memory_order_relaxed) >= allowed_pages())
-        return;
+      const std::int64_t empty = empty_pages_.load(std::memory_order_relaxed);
+      // Without a demand window only the reserve stays mapped: more would be unmapped right away.
+      const std::int64_t want = config_.reclaim_delay_ms == 0
+                                    ? std::min(config_.map_ahead_pages, config_.reserved_pages)
+                                    : config_.map_ahead_pages;
+      if (closed() || unmapped_.empty() || empty >= want ||
+          mapped_pages_.load(std::memory_order_relaxed) >= allowed_pages() || available_size() <= assured_size())
+        return;  // enough ahead, or the limit, virtual capacity or device memory (last reading) has no page
       // Off the stack, so no alloc() maps it too; still counted as unmapped, so availability and the
       // capacity check see it, and as in flight against the limit. An alloc() that needs it waits for it.
       page_id = unmapped_.back();
