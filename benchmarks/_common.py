@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,6 +139,11 @@ def machine_info(device: str) -> dict[str, Any]:
     info["device_mem_total_bytes"] = total_bytes
     info["device_mem_free_bytes_at_end"] = free_bytes
     return info
+
+
+def report_head(benchmark: str, device: str) -> dict[str, Any]:
+    """What every report starts with: the benchmark, the device, the machine and the command line."""
+    return {"benchmark": benchmark, "device": device, "machine": machine_info(device), "command": " ".join(sys.argv)}
 
 
 def write_report(report: dict[str, Any], out: str | None) -> str:

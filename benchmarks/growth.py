@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import mmap
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 # Shared with the other benchmarks here (this script's directory is sys.path[0]).
-from _common import benchmark_parser, machine_info, write_report
+from _common import benchmark_parser, report_head, write_report
 
 import kvcached_core
 from kvcached_core import KVCacheManager, _native
@@ -153,10 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{g}G/{p}M": measure(args.device, g, p * MiB, args.repeats, floor) for p in args.page_mib for g in args.gib
     }
     report = {
-        "benchmark": "growth",
-        "device": args.device,
-        "machine": machine_info(args.device),
-        "command": " ".join(sys.argv),
+        **report_head("growth", args.device),
         "parameters": {
             "layers": LAYERS,
             "kv_buffers": KV,

@@ -16,13 +16,12 @@ in us) and the pages mapped and used at the end (the pages mapped ahead and not 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 # Shared with the other benchmarks here (this script's directory is sys.path[0]).
-from _common import benchmark_parser, machine_info, summarize, write_report
+from _common import benchmark_parser, report_head, summarize, write_report
 
 import kvcached_core
 from kvcached_core import KVCacheManager
@@ -81,10 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"ahead={a}": run(args.device, a, args.steps, args.gap_ms / 1000, args.page_mib * MiB) for a in args.ahead
     }
     report = {
-        "benchmark": "map_ahead",
-        "device": args.device,
-        "machine": machine_info(args.device),
-        "command": " ".join(sys.argv),
+        **report_head("map_ahead", args.device),
         "parameters": {
             "layers": LAYERS,
             "kv_buffers": KV,
