@@ -38,6 +38,7 @@ MiB = 1 << 20
 LAYERS, KV = 16, 2
 BLOCK_BYTES = 16 * 1024  # per buffer: 16 tokens of a 8-head x 64-dim fp16 layer
 REQUEST_BLOCKS = 128  # a 2048-token request of 16-token blocks
+GEOMETRY = {"layers": LAYERS, "kv_buffers": KV, "block_bytes": BLOCK_BYTES, "request_blocks": REQUEST_BLOCKS}
 FLOOR_HANDLES = (32 * MiB, 512 * MiB)
 FLOOR_ITERATIONS = 8
 
@@ -153,12 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     report = {
         **report_head("growth", args.device),
-        "parameters": {
-            "layers": LAYERS,
-            "kv_buffers": KV,
-            "block_bytes": BLOCK_BYTES,
-            "request_blocks": REQUEST_BLOCKS,
-        },
+        "parameters": GEOMETRY,
         "duration_s": round(time.time() - started, 1),
         "results": results,
     }

@@ -22,14 +22,12 @@ from typing import Any
 
 # Shared with the other benchmarks here (this script's directory is sys.path[0]).
 from _common import benchmark_parser, report_head, summarize, write_report
+from growth import BLOCK_BYTES, GEOMETRY, KV, LAYERS, REQUEST_BLOCKS  # the same manager geometry
 
 import kvcached_core
 from kvcached_core import KVCacheManager
 
 MiB = 1 << 20
-LAYERS, KV = 16, 2
-BLOCK_BYTES = 16 * 1024
-REQUEST_BLOCKS = 128
 
 
 def run(device: str, ahead: int, steps: int, gap_s: float, page_bytes: int) -> dict[str, Any]:
@@ -82,10 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         **report_head("map_ahead", args.device),
         "parameters": {
-            "layers": LAYERS,
-            "kv_buffers": KV,
-            "block_bytes": BLOCK_BYTES,
-            "request_blocks": REQUEST_BLOCKS,
+            **GEOMETRY,
             "steps": args.steps,
             "gap_ms": args.gap_ms,
             "page_bytes": args.page_mib * MiB,
