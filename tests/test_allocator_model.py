@@ -16,10 +16,14 @@ LOGICAL_PAGE = PAGE * 2  # one layer, K and V
 
 
 class AllocatorModel(RuleBasedStateMachine):
+    AHEAD = 0  # map_ahead_pages
+
     def __init__(self) -> None:
         super().__init__()
         s = kc.load_settings({}, reclaim_delay_ms=0)
-        self.mgr = kc.KVCacheManager(NUM_BLOCKS, BLOCK, 1, 2, device="cpu", settings=s, reserved_pages=1)
+        self.mgr = kc.KVCacheManager(
+            NUM_BLOCKS, BLOCK, 1, 2, device="cpu", settings=s, reserved_pages=1, map_ahead_pages=self.AHEAD
+        )
         self.held: set[int] = set()
         self.limit: int | None = None
 
@@ -97,15 +101,6 @@ class AllocatorModelMappingAhead(AllocatorModel):
     in flight never make an allocation miss, hand out a block twice or pass the limit."""
 
     AHEAD = 2
-
-    def __init__(self) -> None:
-        RuleBasedStateMachine.__init__(self)
-        s = kc.load_settings({}, reclaim_delay_ms=0)
-        self.mgr = kc.KVCacheManager(
-            NUM_BLOCKS, BLOCK, 1, 2, device="cpu", settings=s, reserved_pages=1, map_ahead_pages=self.AHEAD
-        )
-        self.held = set()
-        self.limit = None
 
     @rule()
     def trim(self) -> None:

@@ -264,6 +264,11 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
   count_calls(calls);
   if (!mapped) return MapResult::kNoMemory;
   unmapped_.pop_back();
+  add_mapped_page(page_id);
+  return MapResult::kMapped;
+}
+
+void BlockAllocator::add_mapped_page(std::int32_t page_id) {
   if (page_id == tail_page_) tail_unmapped_.store(false, std::memory_order_relaxed);
   if (page_table_) page_table_->set_page(page_id, true);  // before any block of it is handed out
   count(counters_.manager_page_allocations_total);
@@ -274,7 +279,6 @@ BlockAllocator::MapResult BlockAllocator::map_next_page() {
   bump(mapped_pages_, std::int64_t{1});
   bump(empty_pages_, std::int64_t{1});
   bump(empty_free_, static_cast<std::int64_t>(page.capacity));
-  return MapResult::kMapped;
 }
 
 bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit) {
@@ -540,21 +544,12 @@ void BlockAllocator::map_ahead() {
     count_calls(calls);
     --inflight_;
     ahead_done_.notify_all();  // an alloc() waiting for this page looks again once the lock is free
-    Page& page = pages_[static_cast<std::size_t>(page_id)];
-    if (!mapped) {  // no memory (or an error): stop; the engine's own allocations see it as usual
-      page.state = PageState::kUnmapped;
+    if (!mapped) {             // no memory (or an error): stop; the engine's own allocations see it as usual
+      pages_[static_cast<std::size_t>(page_id)].state = PageState::kUnmapped;
       push_unmapped(page_id);
       return;
     }
-    if (page_id == tail_page_) tail_unmapped_.store(false, std::memory_order_relaxed);
-    bump(unmapped_pages_, std::int64_t{-1});
-    bump(mapped_pages_, std::int64_t{1});
-    if (page_table_) page_table_->set_page(page_id, true);
-    count(counters_.manager_page_allocations_total);
-    page.state = PageState::kMapped;
-    list_insert(ListId::kEmpty, page_id);
-    bump(empty_pages_, std::int64_t{1});
-    bump(empty_free_, static_cast<std::int64_t>(page.capacity));
+    add_mapped_page(page_id);
     // The load is growing into them: the reclaimer keeps them as this window's demand.
     note_demand(used_pages_.load(std::memory_order_relaxed) + empty_pages_.load(std::memory_order_relaxed));
   }

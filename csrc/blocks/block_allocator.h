@@ -166,6 +166,8 @@ class BlockAllocator {
   void return_block(std::int32_t block);
   enum class MapResult { kMapped, kNoPage, kNoMemory, kRetry };
   MapResult map_next_page();  // caller holds mu_
+  // Bookkeeping of a page just mapped, already off the unmapped stack: it joins the empty list (caller holds mu_).
+  void add_mapped_page(std::int32_t page);
   // Maps the next page within `allowed` pages; when the page that would come next is being mapped ahead,
   // waits for it instead and returns kRetry (look at the empty pages again). Caller holds mu_ via `lock`.
   MapResult map_or_wait(std::unique_lock<std::mutex>& lock, std::int64_t allowed);
