@@ -184,7 +184,7 @@ def test_pages_mapped_ahead_by_the_background_thread_hold_data(cuda_manager):
     mgr.set_memory_limit(5 * 2 * MiB)  # what follows is served from those pages alone
     ids = mgr.alloc(4 * 8 + 7)
     assert ids is not None
-    buf = mgr.buffer(0, 1).view(torch.int32).view(1 << 10, -1)
+    buf = mgr.buffer(0, 0).view(torch.int32).view(1 << 10, -1)
     idx = torch.tensor(first + ids, device="cuda")
     buf[idx] = idx.to(torch.int32).view(-1, 1)
     torch.cuda.synchronize()

@@ -146,7 +146,8 @@ def replay_all(servers: list[harness.Server], plans: list[list[Arrival]], folder
         with open(paths[m], "w") as f:
             json.dump(records, f)
 
-    procs = [ctx.Process(target=child, args=(m,)) for m in range(len(servers))]
+    # daemon: a run stopped while they replay does not wait for them to finish.
+    procs = [ctx.Process(target=child, args=(m,), daemon=True) for m in range(len(servers))]
     for p in procs:
         p.start()
     for p in procs:
@@ -182,9 +183,9 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         # kvcached settings the engines inherit (e.g. KVCACHED_FAIR_SHARE=1 for the elastic run)
         "kvcached_env": {k: v for k, v in os.environ.items() if k.startswith("KVCACHED_")},
     }
-    harness.wait_for_empty_gpus()
     servers: list[harness.Server] = []
     with harness.serving(servers, result):  # the list grows inside: every server started is stopped
+        harness.wait_for_empty_gpus()
         for i, (shape, path) in enumerate(zip(shapes, paths, strict=True)):
             servers.append(harness.Server(shape.name, 8500 + i, path, elastic, args.out, extra, args.gpu))
             if not elastic:  # a static slice is checked against free memory at start: one at a time
@@ -199,6 +200,10 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
             result["traffic_start_s"] = begin - sampler.t0  # where the schedule's zero is on the samples' clock
         result["requests"] = records
         result["preemptions"] = {s.name: s.metric("vllm:num_preemptions") for s in servers}
+        if sampler is not None:  # an engine that never mapped a page did not serve through kvcached
+            bare = [n for n in result["models"] if not any(sample[n] for sample in result["kv_samples"])]
+            if bare:
+                result["error"] = f"{', '.join(bare)} never mapped KV through kvcached (see server-*.log)"
     return result
 
 
@@ -312,6 +317,7 @@ def main() -> int:
     if args.burst_s >= args.period_s:
         parser.error("--burst-s must be shorter than --period-s")
     os.makedirs(args.out, exist_ok=True)
+    harness.stop_servers_on_sigterm()
     if args.command == "compare":
         harness.write(args.out, run_name(args, "multimodel"), compare(args))
         return 0

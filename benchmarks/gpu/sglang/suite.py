@@ -35,7 +35,6 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -203,7 +202,7 @@ def main() -> int:
     harness.check_sides(parser, args)
     args.offline_engine, args.server = os.path.join(HERE, "offline_engine.py"), SGLangServer
     os.makedirs(args.out, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers (finally)
+    harness.stop_servers_on_sigterm()
     args.model = args.model or harness.make_model(os.path.join(tempfile.gettempdir(), "kvcached-llama3-8b-kv"))
     with open(os.path.join(args.model, "config.json")) as f:
         harness.VOCAB = json.load(f)["vocab_size"]

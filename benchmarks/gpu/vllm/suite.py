@@ -41,6 +41,7 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -99,10 +100,12 @@ def write(out: str, name: str, data: dict) -> None:
 
 def wait_for_empty_gpus(timeout: float = 180) -> float:
     """Wait until the GPUs this run uses hold under 2 GiB: an engine that has just exited may still be
-    handing its memory back, and the next one would see it as taken. Returns the seconds waited."""
+    handing its memory back, and the next one would see it as taken. Returns the seconds waited; raises
+    RuntimeError if they still hold more after ``timeout`` (a run measured beside a leftover engine would
+    measure that engine's share of the GPU too)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
     started = time.monotonic()
-    while time.monotonic() - started < timeout:
+    while True:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", visible],
             capture_output=True,
@@ -110,9 +113,20 @@ def wait_for_empty_gpus(timeout: float = 180) -> float:
         )
         used = [int(x) for x in out.stdout.split()] if out.returncode == 0 else []
         if used and max(used) < 2048:
-            break
+            return time.monotonic() - started
+        if time.monotonic() - started >= timeout:
+            held = f"{max(used)} MiB" if used else f"unknown memory (nvidia-smi: {out.stderr.strip()[:200]})"
+            raise RuntimeError(
+                f"GPU {visible} still holds {held} after {timeout:.0f} s; stop what holds it "
+                "(nvidia-smi --query-compute-apps=pid,used_memory --format=csv) and run again"
+            )
         time.sleep(1)
-    return time.monotonic() - started
+
+
+def stop_servers_on_sigterm() -> None:
+    """Make SIGTERM (what ``timeout`` sends) raise SystemExit, so that :func:`serving` stops every server it
+    started: a server left running keeps its port and its GPU memory, and the next run would measure it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
 
 
 def run_offline_engine(
@@ -300,6 +314,15 @@ def phase_backstop(args: argparse.Namespace) -> dict:
 # -- servers and the open-loop client -------------------------------------------------------------------
 
 
+def port_taken(port: int) -> bool:
+    """Whether something on this machine accepts connections on ``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 class Server:
     """One ``vllm serve`` (the OpenAI server module) in its own process group; other engines' servers
     override :meth:`command`."""
@@ -315,6 +338,11 @@ class Server:
         gpu: str | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
+        if port_taken(port):
+            raise RuntimeError(
+                f"port {port} already has a server (one left by an earlier run?); stop it "
+                f"(fuser -k {port}/tcp) and run again"
+            )
         self.name, self.port = name, port
         cmd = self.command(model, extra)
         self.logpath = os.path.join(out, f"server-{name}-{int(time.time())}.log")
@@ -961,7 +989,7 @@ def main() -> int:
     check_sides(parser, args)
     args.offline_engine, args.server = os.path.join(HERE, "offline_engine.py"), Server
     os.makedirs(args.out, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers (finally)
+    stop_servers_on_sigterm()
     args.model = args.model or make_model(os.path.join(tempfile.gettempdir(), "kvcached-llama3-8b-kv"))
     global TOTAL, VOCAB
     with open(os.path.join(args.model, "config.json")) as f:

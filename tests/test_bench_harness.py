@@ -1,0 +1,96 @@
+"""The GPU benchmark harness's guards (benchmarks/gpu/vllm/suite.py), on CPU.
+
+A run measured against a server left by an earlier run is silently wrong: the new server cannot bind the
+port, the old one answers the health check, and every request goes to it (one device session measured
+three "elastic" runs on leftover static servers this way). These tests hold the guards against that. The
+servers here are a Python process sleeping in its own session instead of ``vllm serve`` (an engine is not the
+subject; the harness's start and stop are), and ``nvidia-smi`` is a script on PATH (no GPU here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu", "vllm")
+sys.path.insert(0, HARNESS)
+import suite  # noqa: E402
+
+
+class SleepingServer(suite.Server):
+    """A server process that never listens: what is under test is the harness around it."""
+
+    def command(self, model: str, extra: list[str]) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def test_a_server_is_not_started_on_a_port_something_answers_on(tmp_path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} already has a server.*fuser -k {port}/tcp"):
+            SleepingServer("leftover", port, "model", False, str(tmp_path), [])
+    assert not list(tmp_path.iterdir()), "a server was started (its log exists)"
+
+
+def test_a_run_stopped_by_sigterm_stops_its_servers(tmp_path):
+    """What ``timeout`` does to a run: SIGTERM to the harness alone (the servers are in sessions of their
+    own, so the signal does not reach them); the harness must stop them on the way out."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {HARNESS!r}); sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import suite
+        from test_bench_harness import SleepingServer
+        suite.stop_servers_on_sigterm()
+        servers, result = [], {{}}
+        with suite.serving(servers, result):
+            servers.append(SleepingServer("s", {free_port()}, "model", False, {str(tmp_path)!r}, []))
+            print(servers[0].proc.pid, flush=True)
+            time.sleep(120)
+        """
+    )
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = int(run.stdout.readline())
+    os.kill(server_pid, 0)  # running
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(30) == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive(server_pid):
+        time.sleep(0.05)
+    assert not alive(server_pid), "the server outlived the run"
+
+
+def test_waiting_for_an_empty_gpu_fails_loudly_when_it_stays_held(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 70000\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RuntimeError, match="GPU 0 still holds 70000 MiB after 1 s; stop what holds it"):
+        suite.wait_for_empty_gpus(timeout=1)
+    fake.write_text("#!/bin/sh\necho 900\n")
+    assert suite.wait_for_empty_gpus(timeout=1) < 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone: its parent, the stopped run, has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
