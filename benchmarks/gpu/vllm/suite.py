@@ -555,6 +555,8 @@ SERVER_SIDES = [
     ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
     # every layer's block side by side in one buffer: a page moves 1/layers of what it moves otherwise
     ("kvcached-block-outer", True, {"KVCACHED_KV_LAYOUT": "block-outer"}),
+    # two pages (2 x 32 MiB in each buffer: 32k tokens here) mapped ahead by a background thread
+    ("kvcached-ahead", True, {"KVCACHED_MAP_AHEAD_PAGES": "2"}),
     # the peer project (ovg-project/kvcached), its vLLM patches on, ours off: see peer_env
     ("peer", False, None),
 ]
