@@ -12,8 +12,10 @@ from kvcached_core.patches import (
     Releases,
     Uses,
     _for_version,
+    check_report,
     for_release,
     load_checked,
+    verify,
 )
 
 
@@ -68,6 +70,64 @@ def test_load_checked_names_every_missing_symbol_of_the_installed_release(monkey
     assert "json.no_such_symbol" in str(err.value) and "also_missing" not in str(err.value)
     with pytest.raises(PluginLoadError, match="is not supported"):
         load_checked(EngineSupport(engine="pytest", distributions=("pytest",), supported=("0.0",)), source)
+
+
+def test_an_around_hook_that_cannot_take_its_targets_parameters_is_refused_at_load():
+    """A release that adds a parameter to a wrapped function (vLLM 0.33 gave ``get_kv_cache_configs`` a
+    fourth) must stop the plugin at load, naming the function, instead of failing at its first call.
+    ``textwrap.indent(text, prefix, predicate=None)`` stands in for the engine's function."""
+
+    def too_narrow(original, text, prefix):
+        return original(text, prefix)
+
+    def passes_the_rest_on(original, text, prefix, *rest):
+        return original(text, prefix, *rest)
+
+    def keywords_too(original, *args, **kwargs):
+        return original(*args, **kwargs)
+
+    def around(hook) -> Patch:
+        return Patch("indent", "textwrap.indent", "around", hook, "test")
+
+    with pytest.raises(PluginLoadError, match=r"changed the parameters of textwrap.indent .*predicate"):
+        verify([around(too_narrow)], "engine", "9.9")
+    verify([around(passes_the_rest_on), around(keywords_too)], "engine", "9.9")
+    [narrow] = check_report([around(too_narrow)])  # what the plugins' check commands print
+    assert narrow["status"] == "parameters changed" and "predicate" in narrow["why"]
+    assert check_report([around(passes_the_rest_on)])[0]["status"] == "ok"
+    # Replacements and hook-less units are not compared.
+    verify([Patch("indent", "textwrap.indent", "replace", too_narrow, "test"), unit("dumps", Releases())], "e", "1")
+
+
+def test_a_replacing_class_whose_override_cannot_take_the_engines_call_is_refused_at_load():
+    """vLLM 0.34 gave ``BlockPool.free_blocks`` an ``evict_first`` parameter that its callers pass: a
+    subclass that replaces the engine's class and overrides the method without it must stop the plugin at
+    load. ``json.JSONEncoder`` (``default(self, o)``, ``encode(self, o)``) stands in for the engine's class."""
+    import json
+
+    class Narrow(json.JSONEncoder):
+        def default(self):  # the engine calls default(o)
+            return None
+
+        def helper(self, anything, at, all):  # not the engine's: not compared
+            return None
+
+    class Wide(json.JSONEncoder):
+        def encode(self, o, *rest, **options):
+            return super().encode(o)
+
+    class Derived(Wide):  # a plugin class above another: the overrides of both are compared
+        def iterencode(self, o, _one_shot=False):
+            return super().iterencode(o, _one_shot)
+
+    def replace(cls) -> Patch:
+        return Patch("encoder", "json.JSONEncoder", "replace", cls, "test")
+
+    with pytest.raises(PluginLoadError, match=r"json.JSONEncoder \(default is now \(self, o\), ours takes \(self\)\)"):
+        verify([replace(Narrow)], "engine", "9.9")
+    verify([replace(Wide), replace(Derived)], "engine", "9.9")
+    [row] = check_report([replace(Narrow)])
+    assert row["status"] == "parameters changed" and row["why"].startswith("default is now")
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import pkgutil
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -161,8 +162,8 @@ def install(patch: Patch) -> None:
 
 
 def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: Sequence[str] = ()) -> None:
-    """Resolve every patch target (and every other engine symbol the plugin uses); raise one PluginLoadError
-    naming all that are missing."""
+    """Resolve every patch target (and every other engine symbol the plugin uses), and check that every
+    ``around`` hook takes whatever its target takes; raise one PluginLoadError naming all that fail."""
     patches = list(patches)
     targets = [p.target for p in patches] + [f"{m}.{p.target.rpartition('.')[2]}" for p in patches for m in p.aliases]
     targets += list(extra_symbols)
@@ -177,6 +178,72 @@ def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: S
             f"{engine} {version} lacks {', '.join(missing)}, which kvcached patches; "
             f"use a supported {engine} version or set KVCACHED_ENABLE=0"
         )
+    mismatched = [f"{p.target} ({why})" for p in patches if (why := around_mismatch(p))]
+    mismatched += [f"{p.target} ({why})" for p in patches for why in override_mismatches(p)]
+    if mismatched:
+        raise PluginLoadError(
+            f"{engine} {version} changed the parameters of {'; '.join(mismatched)}, which kvcached wraps or "
+            "overrides; "
+            f"use a supported {engine} version or set KVCACHED_ENABLE=0"
+        )
+
+
+def around_mismatch(patch: Patch, target: inspect.Signature | None = None) -> str | None:
+    """Why ``patch``'s hook could not take a call of its target, or None: an ``around`` hook gets the original
+    and then every argument the engine passes, so each parameter of the target must bind to the hook (a
+    release that adds one would otherwise fail at its first call, not at load). ``target``: the target's
+    signature where it is known without importing it (read from a release's sources)."""
+    if patch.kind != "around" or patch.hook is None:
+        return None
+    try:
+        target = target or inspect.signature(pkgutil.resolve_name(patch.target))
+        hook = inspect.signature(patch.hook)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to compare
+        return None
+    return None if _takes(hook, target, leading=1) else f"now {target}, the hook takes {hook}"
+
+
+MethodSignature = Callable[[str], "inspect.Signature | None"]
+
+
+def override_mismatches(patch: Patch, engine_method: MethodSignature | None = None) -> list[str]:
+    """For a class that replaces an engine class (a subclass of it): each method it overrides, as the engine
+    calls it. ``engine_method(name)``: the engine class's method signature (with ``self``) or None; by
+    default read from the installed engine."""
+    if patch.kind != "replace" or not isinstance(patch.hook, type):
+        return []
+    if engine_method is None:
+        engine_class = pkgutil.resolve_name(patch.target)
+
+        def engine_method(name: str) -> inspect.Signature | None:
+            try:
+                return inspect.signature(getattr(engine_class, name))
+            except (AttributeError, TypeError, ValueError):
+                return None
+
+    engine_package = patch.target.partition(".")[0]
+    ours: dict[str, Callable[..., Any]] = {}
+    for cls in reversed(patch.hook.__mro__):  # the plugin's own classes, the most derived definition last
+        if cls is not object and not cls.__module__.startswith(engine_package):
+            ours.update((n, f) for n, f in vars(cls).items() if inspect.isfunction(f))
+    mismatched = []
+    for name, method in sorted(ours.items()):
+        engine = engine_method(name)
+        if engine is not None and not _takes(inspect.signature(method), engine):
+            mismatched.append(f"{name} is now {engine}, ours takes {inspect.signature(method)}")
+    return mismatched
+
+
+def _takes(hook: inspect.Signature, target: inspect.Signature, leading: int = 0) -> bool:
+    """Whether a function of signature ``hook`` accepts every call of ``target`` (after ``leading`` extra
+    positional arguments, such as an around hook's original)."""
+    args = [p.name for p in target.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    kwargs = {p.name: None for p in target.parameters.values() if p.kind is p.KEYWORD_ONLY}
+    try:
+        hook.bind(*([None] * leading), *args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) -> list[dict[str, str]]:
@@ -198,6 +265,10 @@ def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) ->
             row["status"] = "ok"
         except (ImportError, AttributeError, ValueError) as exc:
             row["status"] = f"missing ({type(exc).__name__})"
+    for row, patch in zip(rows[: len(patches)], patches, strict=True):  # the first rows are the patches
+        why = row["status"] == "ok" and "; ".join(filter(None, [around_mismatch(patch), *override_mismatches(patch)]))
+        if why:
+            row["status"], row["why"] = "parameters changed", why
     return rows
 
 
@@ -228,7 +299,8 @@ def load_checked(support: EngineSupport, source: PatchSource) -> tuple[str, Sequ
 
 def check_main(prog: str, support: EngineSupport, source: PatchSource, argv: Sequence[str] | None = None) -> int:
     """A plugin's ``*-check`` command: list every engine symbol it touches and whether the installed engine
-    has it. Exit 0 when all resolve, 1 when one is missing, 2 when the engine is absent or unsupported."""
+    has it (and, for a wrapped function, takes the parameters the wrapper takes). Exit 0 when all resolve, 1
+    when one is missing or changed, 2 when the engine is absent or unsupported."""
     import argparse
     import json
     import sys
@@ -252,7 +324,16 @@ def check_main(prog: str, support: EngineSupport, source: PatchSource, argv: Seq
     if args.json:
         print(json.dumps({"engine": support.engine, "version": version, "symbols": rows}, indent=2))
     else:
-        print(f"{support.engine} {version}: {len(rows)} symbols")
-        for row in rows:
-            print(f"  {row['status']:<20} {row['kind']:<8} {row['patch']:<18} {row['target']}")
+        print(report_text(f"{support.engine} {version}", rows))
     return 0 if all(row["status"] == "ok" for row in rows) else 1
+
+
+def report_text(title: str, rows: list[dict[str, str]]) -> str:
+    """:func:`check_report`'s rows as the check commands print them: one line per symbol, and why under a
+    changed one."""
+    lines = [f"{title}: {len(rows)} symbols"]
+    for row in rows:
+        lines.append(f"  {row['status']:<20} {row['kind']:<8} {row['patch']:<18} {row['target']}")
+        if row["status"] == "parameters changed":
+            lines.append(f"  {'':<20} {row['why']}")
+    return "\n".join(lines)

@@ -154,18 +154,19 @@ def workers_in_this_process(vllm_config: Any) -> bool:
 
 
 def elastic_kv_cache_configs(
-    rule: BackingRule, original: Callable[..., list], vllm_config: Any, specs: Any, available: list[int]
+    rule: BackingRule, original: Callable[..., list], vllm_config: Any, specs: Any, available: list[int], *rest: Any
 ) -> list:
     """AROUND ``get_kv_cache_configs`` (EngineCore), with ``rule`` bound per release range: size the KV cache
-    as vLLM does, align the block count to whole pages, make the planner, and tell the workers about it."""
-    configs = original(vllm_config, specs, available)
+    as vLLM does, align the block count to whole pages, make the planner, and tell the workers about it.
+    ``rest``: what follows the memory list (0.33 on, the global KV cache groups), passed on unchanged."""
+    configs = original(vllm_config, specs, available, *rest)
     if not configs or not configs[0].kv_cache_tensors:
         return configs
     physical_page = page_bytes_for(device=planner_device(vllm_config), buffer_bytes=buffer_bytes(configs[0]))
     aligned = rule.aligned_num_blocks(configs[0], physical_page)
     if aligned is not None:
         per_block = configs[0].kv_cache_tensors[0].size // configs[0].num_blocks
-        configs = original(vllm_config, specs, [aligned * per_block] * len(available))
+        configs = original(vllm_config, specs, [aligned * per_block] * len(available), *rest)
     geo, why = rule.geometry(configs[0], physical_page)
     if geo is None:
         logger.warning("kvcached: %s; this engine keeps vLLM's static KV cache", why)
