@@ -162,8 +162,9 @@ def install(patch: Patch) -> None:
 
 
 def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: Sequence[str] = ()) -> None:
-    """Resolve every patch target (and every other engine symbol the plugin uses), and check that every
-    ``around`` hook takes whatever its target takes; raise one PluginLoadError naming all that fail."""
+    """Resolve every patch target (and every other engine symbol the plugin uses), and check that the engine
+    can still call every hook as it calls what the hook stands for (:func:`parameter_mismatches`); raise one
+    PluginLoadError naming all that fail."""
     patches = list(patches)
     targets = [p.target for p in patches] + [f"{m}.{p.target.rpartition('.')[2]}" for p in patches for m in p.aliases]
     targets += list(extra_symbols)
@@ -178,14 +179,19 @@ def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: S
             f"{engine} {version} lacks {', '.join(missing)}, which kvcached patches; "
             f"use a supported {engine} version or set KVCACHED_ENABLE=0"
         )
-    mismatched = [f"{p.target} ({why})" for p in patches if (why := around_mismatch(p))]
-    mismatched += [f"{p.target} ({why})" for p in patches for why in override_mismatches(p)]
+    mismatched = [f"{p.target} ({why})" for p in patches for why in parameter_mismatches(p)]
     if mismatched:
         raise PluginLoadError(
             f"{engine} {version} changed the parameters of {'; '.join(mismatched)}, which kvcached wraps or "
-            "overrides; "
-            f"use a supported {engine} version or set KVCACHED_ENABLE=0"
+            f"overrides; use a supported {engine} version or set KVCACHED_ENABLE=0"
         )
+
+
+def parameter_mismatches(patch: Patch) -> list[str]:
+    """Where the installed engine could no longer call ``patch``'s hook as it calls its target: an ``around``
+    hook that cannot take the target's parameters, or a replacing class's override that cannot take the
+    engine method's."""
+    return [why for why in (around_mismatch(patch), *override_mismatches(patch)) if why]
 
 
 def around_mismatch(patch: Patch, target: inspect.Signature | None = None) -> str | None:
@@ -266,9 +272,8 @@ def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) ->
         except (ImportError, AttributeError, ValueError) as exc:
             row["status"] = f"missing ({type(exc).__name__})"
     for row, patch in zip(rows[: len(patches)], patches, strict=True):  # the first rows are the patches
-        why = row["status"] == "ok" and "; ".join(filter(None, [around_mismatch(patch), *override_mismatches(patch)]))
-        if why:
-            row["status"], row["why"] = "parameters changed", why
+        if row["status"] == "ok" and (mismatches := parameter_mismatches(patch)):
+            row["status"], row["why"] = "parameters changed", "; ".join(mismatches)
     return rows
 
 
