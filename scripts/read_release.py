@@ -25,7 +25,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from kvcached_core.patches import Uses, around_mismatch, for_release, override_mismatches, report_text
+from kvcached_core.patches import around_mismatch, for_version, override_mismatches, report_text
 
 PLUGINS = {"vllm": ("kvcached_vllm", "vllm"), "sglang": ("kvcached_sglang", "sglang")}  # module, GPU build
 
@@ -177,10 +177,10 @@ def method_signature(sources: Sources, cls: Found, name: str) -> inspect.Signatu
 def rows_for(plugin: str, units_of: str, root: str) -> list[dict[str, str]]:
     """One row per symbol the plugin's units for release ``units_of`` touch, read in the sources at ``root``."""
     module, build = PLUGINS[plugin]
-    patches, used = __import__(module, fromlist=["patch_source"]).patch_source()
+    patches, symbols = for_version(__import__(module, fromlist=["patch_source"]).patch_source, units_of, build)
     sources = Sources(root)
     rows = []
-    for patch in for_release(patches, units_of, build):
+    for patch in patches:
         found = sources.resolve(patch.target)
         status = "ok" if found else "missing"
         why = patch.why
@@ -204,10 +204,7 @@ def rows_for(plugin: str, units_of: str, root: str) -> list[dict[str, str]]:
                     "why": "imported by name",
                 }
             )
-    for use in used:
-        target = use if isinstance(use, str) else use.target
-        if isinstance(use, Uses) and not for_release([use], units_of, build):
-            continue
+    for target in symbols:
         status = "ok" if sources.resolve(target) else "missing"
         rows.append({"target": target, "patch": "-", "kind": "uses", "status": status, "why": "read by the plugin"})
     return rows

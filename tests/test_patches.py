@@ -11,9 +11,9 @@ from kvcached_core.patches import (
     PluginLoadError,
     Releases,
     Uses,
-    _for_version,
     check_report,
     for_release,
+    for_version,
     load_checked,
     verify,
 )
@@ -47,8 +47,8 @@ def test_read_symbols_follow_the_release_and_plain_paths_always_apply():
         used = ["json.dumps", Uses("json.loads", Releases("0.30")), Uses("json.JSONDecoder", Releases("0.26", "0.30"))]
         return [], used
 
-    assert _for_version(source, "0.28.0", None)[1] == ["json.dumps", "json.JSONDecoder"]
-    assert _for_version(source, "0.31.0", None)[1] == ["json.dumps", "json.loads"]
+    assert for_version(source, "0.28.0", None)[1] == ["json.dumps", "json.JSONDecoder"]
+    assert for_version(source, "0.31.0", None)[1] == ["json.dumps", "json.loads"]
 
 
 def test_load_checked_names_every_missing_symbol_of_the_installed_release(monkeypatch):

@@ -281,7 +281,7 @@ def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) ->
 PatchSource = Callable[[], tuple[Sequence[Patch], Sequence["Uses | str"]]]
 
 
-def _for_version(source: PatchSource, version: str, build: str | None) -> tuple[list[Patch], list[str]]:
+def for_version(source: PatchSource, version: str, build: str | None) -> tuple[list[Patch], list[str]]:
     """The patches and read symbols of ``source`` that apply to ``version`` of ``build``."""
     patches, used = source()
     symbols = [u for u in used if isinstance(u, str)]
@@ -295,7 +295,7 @@ def load_checked(support: EngineSupport, source: PatchSource) -> tuple[str, Sequ
     Returns the version and the patches to install; raises one PluginLoadError naming what is wrong."""
     version = support.check()
     try:
-        patches, used = _for_version(source, version, support.installed()[0])
+        patches, used = for_version(source, version, support.installed()[0])
     except (ImportError, AttributeError) as exc:  # a module, class or function the plugin builds on is gone
         raise PluginLoadError(f"cannot import what kvcached patches from {support.engine} {version}: {exc}") from None
     verify(patches, support.engine, version, used)
@@ -318,7 +318,7 @@ def check_main(prog: str, support: EngineSupport, source: PatchSource, argv: Seq
     version = None
     try:
         version = support.check()
-        patches, used = _for_version(source, version, support.installed()[0])
+        patches, used = for_version(source, version, support.installed()[0])
     except PluginLoadError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
