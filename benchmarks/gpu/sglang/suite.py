@@ -102,10 +102,11 @@ def kvctl_rows(name: str) -> list[dict]:
 def phase_pools(args: argparse.Namespace) -> dict:
     """Each pool kind under a real server, without and with kvcached: identity and what kvctl lists."""
     tmp = tempfile.gettempdir()
-    models = {
-        "mla": make_tiny_mla(os.path.join(tmp, "kvcached-tiny-mla")),
-        "mamba": make_tiny_hybrid_mamba(os.path.join(tmp, "kvcached-tiny-falcon-h1")),
+    makers = {
+        "mla": lambda: make_tiny_mla(os.path.join(tmp, "kvcached-tiny-mla")),
+        "mamba": lambda: make_tiny_hybrid_mamba(os.path.join(tmp, "kvcached-tiny-falcon-h1")),
     }
+    models = {kind: makers[kind]() for kind in args.pools}
     # SGLang 0.5.16 cannot capture Falcon-H1's prefill CUDA graph, with or without kvcached (its Mamba mixer
     # reads ``mamba_track_mask.any()`` on the host during capture); decode graphs stay on.
     flags = {"mla": [], "mamba": ["--disable-prefill-cuda-graph"]}
@@ -197,9 +198,17 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for JSON and logs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
     parser.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES for the engines (default: inherited)")
+    parser.add_argument(
+        "--pools",
+        default=os.environ.get("KVCACHED_BENCH_POOLS", "mla,mamba"),
+        help="pools: which of mla,mamba to run (default both, or KVCACHED_BENCH_POOLS)",
+    )
     harness.add_sides_argument(parser)
     args = parser.parse_args()
     harness.check_sides(parser, args)
+    args.pools = args.pools.split(",")
+    if not args.pools or not set(args.pools) <= {"mla", "mamba"}:
+        parser.error("--pools: mla, mamba or both, comma-separated")
     args.offline_engine, args.server = os.path.join(HERE, "offline_engine.py"), SGLangServer
     os.makedirs(args.out, exist_ok=True)
     harness.stop_servers_on_sigterm()
