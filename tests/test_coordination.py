@@ -314,6 +314,46 @@ def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(t
         child.wait()
 
 
+def test_fair_share_yields_only_to_a_neighbour_below_its_share(tmp_path, monkeypatch):
+    """Three processes on a 112 MiB host budget, all backlogged (no memory spare): this one and a neighbour
+    hold 48 MiB each, another neighbour 16; an equal share is 37.3 MiB. The large neighbour's shortfalls cap
+    nothing (it holds more than a share: yielding to it would only move the overload here); the small one's
+    cap this process at the share."""
+    from conftest import wait_for
+
+    from kvcached_core import KVCacheManager
+    from kvcached_core.fair_share import FairShare
+    from kvcached_core.pressure import PressureWatch
+
+    MiB = 1 << 20
+    for name, value in (("RUNTIME_DIR", str(tmp_path)), ("HOST_DEVICE_BYTES", "112MiB"), ("FAIR_SHARE", "1")):
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    settings = load_settings()
+    (large, tell_large), (small, tell_small) = start_neighbour(), start_neighbour()
+    mine = KVCacheManager(
+        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
+    )
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    try:
+        tell_large("grow")
+        tell_large("grow")  # 48 MiB
+        assert mine.alloc(48) is not None and mine.device_spare_bytes() == 0
+        share = 112 * MiB // 3
+        assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (share, 48 * MiB, 3))
+        for _ in range(10):  # two seconds of shortfalls
+            tell_large("short")
+            time.sleep(0.2)
+        assert mine.yield_cap is None and mine.snapshot()["mapped_bytes"] == 48 * MiB
+        tell_small("short")
+        assert wait_for(lambda: mine.yield_cap == share)
+    finally:
+        watch.close()
+        mine.close()
+        for child in (large, small):
+            child.kill()
+            child.wait()
+
+
 def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_path, monkeypatch):
     """``KVCACHED_FAIR_SHARE_WAIT_MS``: a neighbour's shortfall is left to the engines' own requests finishing
     until it has lasted the wait. A lone shortfall, and one after a break of more than ``LIFT_S`` (its wait

@@ -133,10 +133,32 @@ async def replay(server: harness.Server, model: int, plan: list[Arrival], begin:
     return list(records)
 
 
-def replay_all(servers: list[harness.Server], plans: list[list[Arrival]], folder: str) -> tuple[float, list[dict]]:
+@dataclass
+class Clients:
+    """Every model's client process, forked and replaying from ``begin`` (on the monotonic clock)."""
+
+    begin: float
+    procs: list[multiprocessing.process.BaseProcess]
+    paths: list[str]
+
+    def join(self) -> list[dict]:
+        """Wait for every client; their records, or RuntimeError naming a client that failed."""
+        for p in self.procs:
+            p.join()
+        records = []
+        for m, (p, path) in enumerate(zip(self.procs, self.paths, strict=True)):
+            if p.exitcode != 0:
+                raise RuntimeError(f"the client of model {m} exited with {p.exitcode}")
+            with open(path) as f:
+                records += json.load(f)
+        return records
+
+
+def start_clients(servers: list[harness.Server], plans: list[list[Arrival]], folder: str) -> Clients:
     """Every model's traffic from a client process of its own, all starting at one instant (a single
-    process streaming hundreds of requests would itself delay the tokens it times); the start on the
-    monotonic clock, and the records."""
+    process streaming hundreds of requests would itself delay the tokens it times). Call this before this
+    process starts any thread (the memory sampler): a child forked while another thread holds a lock, an
+    import lock for one, waits on it for ever (run 14's first try: both clients hung, no request sent)."""
     begin = time.monotonic() + 2.0  # time for the children to start
     ctx = multiprocessing.get_context("fork")
     paths = [os.path.join(folder, f"records-{m}.json") for m in range(len(servers))]
@@ -150,15 +172,7 @@ def replay_all(servers: list[harness.Server], plans: list[list[Arrival]], folder
     procs = [ctx.Process(target=child, args=(m,), daemon=True) for m in range(len(servers))]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
-    records = []
-    for m, (p, path) in enumerate(zip(procs, paths, strict=True)):
-        if p.exitcode != 0:
-            raise RuntimeError(f"the client of model {m} exited with {p.exitcode}")
-        with open(path) as f:
-            records += json.load(f)
-    return begin, records
+    return Clients(begin, procs, paths)
 
 
 def run_config(args: argparse.Namespace, config: str) -> dict:
@@ -192,12 +206,13 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
                 servers[-1].wait_ready()
         result["startup_s"] = {s.name: s.wait_ready() for s in servers}
         harness.log(f"{run_name(args, config)}: all up {result['startup_s']}")
-        sampler = harness.Sampler([s.name for s in servers]) if elastic else None
         with tempfile.TemporaryDirectory() as folder:
-            begin, records = replay_all(servers, plans, folder)
+            clients = start_clients(servers, plans, folder)  # forked before the sampler's thread exists
+            sampler = harness.Sampler([s.name for s in servers]) if elastic else None
+            records = clients.join()
         if sampler is not None:
             result["kv_samples"] = sampler.stop()
-            result["traffic_start_s"] = begin - sampler.t0  # where the schedule's zero is on the samples' clock
+            result["traffic_start_s"] = clients.begin - sampler.t0  # the schedule's zero on the samples' clock
         result["requests"] = records
         result["preemptions"] = {s.name: s.metric("vllm:num_preemptions") for s in servers}
         if sampler is not None:  # an engine that never mapped a page did not serve through kvcached
