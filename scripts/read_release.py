@@ -25,7 +25,16 @@ import os
 import sys
 from dataclasses import dataclass
 
-from kvcached_core.patches import around_mismatch, for_version, override_mismatches, report_text
+from kvcached_core.patches import (
+    MISSING,
+    EngineSymbols,
+    Patch,
+    around_mismatch,
+    check_report,
+    for_version,
+    override_mismatches,
+    report_text,
+)
 
 PLUGINS = {"vllm": ("kvcached_vllm", "vllm"), "sglang": ("kvcached_sglang", "sglang")}  # module, GPU build
 
@@ -174,40 +183,28 @@ def method_signature(sources: Sources, cls: Found, name: str) -> inspect.Signatu
     return signature(member.node) if member else None
 
 
+class ReleaseSymbols(EngineSymbols):
+    """A release's symbols as its sources define them: what :func:`check_report` looks up, read, not imported."""
+
+    def __init__(self, root: str) -> None:
+        self.sources = Sources(root)
+
+    def find(self, dotted: str) -> object:
+        return self.sources.resolve(dotted) or MISSING
+
+    def mismatches(self, patch: Patch, target: object) -> list[str]:
+        assert isinstance(target, Found)
+        if isinstance(target.node, ast.ClassDef):
+            return override_mismatches(patch, functools.partial(method_signature, self.sources, target))
+        defined = signature(target.node)  # None: not a def (an assignment), so its parameters are unread
+        return [why] if defined is not None and (why := around_mismatch(patch, defined)) else []
+
+
 def rows_for(plugin: str, units_of: str, root: str) -> list[dict[str, str]]:
     """One row per symbol the plugin's units for release ``units_of`` touch, read in the sources at ``root``."""
     module, build = PLUGINS[plugin]
     patches, symbols = for_version(__import__(module, fromlist=["patch_source"]).patch_source, units_of, build)
-    sources = Sources(root)
-    rows = []
-    for patch in patches:
-        found = sources.resolve(patch.target)
-        status = "ok" if found else "missing"
-        why = patch.why
-        mismatches: list[str | None] = []
-        if found and isinstance(found.node, ast.ClassDef):
-            mismatches = override_mismatches(patch, functools.partial(method_signature, sources, found))
-        elif found and (target := signature(found.node)) is not None:  # not a def (an assignment): unread
-            mismatches = [around_mismatch(patch, target)]
-        if any(mismatches):
-            status, why = "parameters changed", "; ".join(filter(None, mismatches))
-        rows.append({"target": patch.target, "patch": patch.name, "kind": patch.kind, "status": status, "why": why})
-        attr = patch.target.rpartition(".")[2]
-        for alias in patch.aliases:
-            same = found is not None and sources.resolve(f"{alias}.{attr}") == found
-            rows.append(
-                {
-                    "target": f"{alias}.{attr}",
-                    "patch": patch.name,
-                    "kind": "alias",
-                    "status": "ok" if same else "missing",
-                    "why": "imported by name",
-                }
-            )
-    for target in symbols:
-        status = "ok" if sources.resolve(target) else "missing"
-        rows.append({"target": target, "patch": "-", "kind": "uses", "status": status, "why": "read by the plugin"})
-    return rows
+    return check_report(patches, symbols, ReleaseSymbols(root))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -174,3 +174,16 @@ def test_the_core_logs_where_the_engine_logs(core_logger):
         target.removeHandler(engine)
     assert engine.messages == ["kvcached: yielding down to an equal share"]
     assert root.messages == []
+
+
+def test_an_alias_checks_out_only_where_it_binds_the_target_itself():
+    """An alias is a module that copied the target by name, so the plugin rebinds it too: it must hold the
+    target itself (``posixpath.join`` is ``os.path.join``), not another object of that name
+    (``pickle.dumps`` is not ``json.dumps``); ``verify`` refuses the copy at load, as ``install`` would."""
+    shared = Patch("join", "os.path.join", "replace", None, "test", aliases=("posixpath",))
+    copied = Patch("dumps", "json.dumps", "replace", None, "test", aliases=("pickle",))
+    rows = {row["target"]: row["status"] for row in check_report([shared, copied])}
+    assert rows == {"os.path.join": "ok", "json.dumps": "ok", "posixpath.join": "ok", "pickle.dumps": "missing"}
+    verify([shared], "e", "1")
+    with pytest.raises(PluginLoadError, match=r"e 1 lacks pickle\.dumps"):
+        verify([copied], "e", "1")

@@ -162,24 +162,17 @@ def install(patch: Patch) -> None:
 
 
 def verify(patches: Iterable[Patch], engine: str, version: str, extra_symbols: Sequence[str] = ()) -> None:
-    """Resolve every patch target (and every other engine symbol the plugin uses), and check that the engine
-    can still call every hook as it calls what the hook stands for (:func:`parameter_mismatches`); raise one
-    PluginLoadError naming all that fail."""
-    patches = list(patches)
-    targets = [p.target for p in patches] + [f"{m}.{p.target.rpartition('.')[2]}" for p in patches for m in p.aliases]
-    targets += list(extra_symbols)
-    missing = []
-    for target in targets:
-        try:
-            pkgutil.resolve_name(target)
-        except (ImportError, AttributeError, ValueError):
-            missing.append(target)
+    """Resolve every patch target, alias and other engine symbol the plugin uses, and check that the engine
+    can still call every hook as it calls what the hook stands for (:func:`check_report`'s checks on the
+    installed engine); raise one PluginLoadError naming all that fail."""
+    rows = check_report(patches, extra_symbols)
+    missing = [row["target"] for row in rows if row["status"] == "missing"]
     if missing:
         raise PluginLoadError(
             f"{engine} {version} lacks {', '.join(missing)}, which kvcached patches; "
             f"use a supported {engine} version or set KVCACHED_ENABLE=0"
         )
-    mismatched = [f"{p.target} ({why})" for p in patches for why in parameter_mismatches(p)]
+    mismatched = [f"{row['target']} ({row['why']})" for row in rows if row["status"] == "parameters changed"]
     if mismatched:
         raise PluginLoadError(
             f"{engine} {version} changed the parameters of {'; '.join(mismatched)}, which kvcached wraps or "
@@ -252,28 +245,59 @@ def _takes(hook: inspect.Signature, target: inspect.Signature, leading: int = 0)
     return True
 
 
-def check_report(patches: Iterable[Patch], extra_symbols: Sequence[str] = ()) -> list[dict[str, str]]:
-    """One row per symbol the plugin touches: target, patch name, kind, and ``ok`` or the error."""
-    patches = list(patches)
-    rows = [
-        {"target": p.target, "patch": p.name, "kind": p.kind, "why": p.why, "releases": str(p.releases)}
-        for p in patches
-    ]
-    rows += [
-        {"target": f"{m}.{p.target.rpartition('.')[2]}", "patch": p.name, "kind": "alias", "why": "imported by name"}
-        for p in patches
-        for m in p.aliases
-    ]
-    rows += [{"target": s, "patch": "-", "kind": "uses", "why": "read by the plugin"} for s in extra_symbols]
-    for row in rows:
+MISSING = object()  # what EngineSymbols.find gives for a symbol that is not there
+
+
+class EngineSymbols:
+    """Where :func:`check_report` looks an engine's symbols up: here, the installed engine, imported;
+    ``scripts/read_release.py`` reads a release's sources instead, without installing it."""
+
+    def find(self, dotted: str) -> object:
+        """What ``dotted`` names (compared with ``==`` to tell an alias from a copy), or :data:`MISSING`."""
         try:
-            pkgutil.resolve_name(row["target"])
-            row["status"] = "ok"
-        except (ImportError, AttributeError, ValueError) as exc:
-            row["status"] = f"missing ({type(exc).__name__})"
-    for row, patch in zip(rows[: len(patches)], patches, strict=True):  # the first rows are the patches
-        if row["status"] == "ok" and (mismatches := parameter_mismatches(patch)):
-            row["status"], row["why"] = "parameters changed", "; ".join(mismatches)
+            return pkgutil.resolve_name(dotted)
+        except (ImportError, AttributeError, ValueError):
+            return MISSING
+
+    def mismatches(self, patch: Patch, target: object) -> list[str]:
+        """Why the engine could not call ``patch``'s hook as it calls ``target`` (what :meth:`find` gave)."""
+        return parameter_mismatches(patch)
+
+
+def check_report(
+    patches: Iterable[Patch], extra_symbols: Sequence[str] = (), engine: EngineSymbols | None = None
+) -> list[dict[str, str]]:
+    """One row per symbol the plugin touches, looked up in ``engine`` (default: the installed one): target,
+    patch name, kind, why, the unit's releases, and a status: ``ok``, ``missing`` (an alias also when it no
+    longer binds the target itself) or ``parameters changed`` (then ``why`` says how)."""
+    engine = engine or EngineSymbols()
+    rows, aliases = [], []
+    for p in patches:
+        found = engine.find(p.target)
+        status, why = ("ok" if found is not MISSING else "missing"), p.why
+        if found is not MISSING and (mismatched := engine.mismatches(p, found)):
+            status, why = "parameters changed", "; ".join(mismatched)
+        rows.append(
+            {
+                "target": p.target,
+                "patch": p.name,
+                "kind": p.kind,
+                "why": why,
+                "releases": str(p.releases),
+                "status": status,
+            }
+        )
+        for module in p.aliases:
+            alias = f"{module}.{p.target.rpartition('.')[2]}"
+            same = found is not MISSING and engine.find(alias) == found
+            status = "ok" if same else "missing"
+            aliases.append(
+                {"target": alias, "patch": p.name, "kind": "alias", "why": "imported by name", "status": status}
+            )
+    rows += aliases
+    for symbol in extra_symbols:
+        status = "ok" if engine.find(symbol) is not MISSING else "missing"
+        rows.append({"target": symbol, "patch": "-", "kind": "uses", "why": "read by the plugin", "status": status})
     return rows
 
 
