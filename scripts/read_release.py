@@ -1,6 +1,6 @@
 """Check a plugin's patch units against an engine release's sources, without installing or running it.
 
-    python scripts/read_release.py vllm|sglang VERSION SOURCES [--units VERSION] [--json]
+    python scripts/read_release.py vllm|sglang VERSION SOURCES [VERSION SOURCES ...] [--units VERSION] [--json|--brief]
 
 SOURCES holds the release's package (``SOURCES/vllm/...``), e.g. a wheel unpacked with
 ``unzip -q vllm-0.33.0-*.whl 'vllm/*' -d SOURCES``. Run it where the plugin and some release of its engine
@@ -207,35 +207,59 @@ def rows_for(plugin: str, units_of: str, root: str) -> list[dict[str, str]]:
     return check_report(patches, symbols, ReleaseSymbols(root))
 
 
+def read_one(engine: str, version: str, sources: str, units: str | None, as_json: bool, brief: bool) -> int:
+    """Print one release's report (``brief``: its title alone when every row is ok, else the rows that are
+    not); 0 when it reads clean, 1 otherwise."""
+    units = units or version
+    rows = rows_for(engine, units, sources)
+    if not rows:
+        print(
+            f"read_release: no unit of the plugin is for {engine} {units}; --units VERSION reads the "
+            "sources with another release's units",
+            file=sys.stderr,
+        )
+        return 1
+    clean = all(row["status"] == "ok" for row in rows)
+    if as_json:
+        print(json.dumps({"engine": engine, "version": version, "units": units, "symbols": rows}, indent=2))
+    else:
+        text = report_text(f"{engine} {version} (read from {sources}, units of {units})", rows)
+        lines = text.splitlines()
+        if brief:
+            lines = lines[:1] if clean else [line for line in lines if not line.startswith("  ok")]
+        print("\n".join(lines))
+    return 0 if clean else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine", choices=sorted(PLUGINS))
-    parser.add_argument("version", help="the release the sources are of, e.g. 0.33.0")
-    parser.add_argument("sources", help="folder holding the release's package folder")
+    parser.add_argument(
+        "releases",
+        nargs="+",
+        metavar="VERSION SOURCES",
+        help="a release (e.g. 0.33.0) and the folder holding its package folder; several pairs read them all "
+        "with one import of the plugin",
+    )
     parser.add_argument(
         "--units",
         metavar="VERSION",
         help="read the sources with the units of this release instead (e.g. the newest supported one, to see "
         "what a new release would break)",
     )
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON (one release only)")
+    parser.add_argument("--brief", action="store_true", help="a clean release's title line only; else what is not ok")
     args = parser.parse_args(argv)
-    if not os.path.isdir(os.path.join(args.sources, args.engine)):
-        parser.error(f"{args.sources} has no {args.engine}/ folder: unpack the release's wheel there")
-    units = args.units or args.version
-    rows = rows_for(args.engine, units, args.sources)
-    if not rows:
-        print(
-            f"read_release: no unit of the plugin is for {args.engine} {units}; --units VERSION reads the "
-            "sources with another release's units",
-            file=sys.stderr,
-        )
-        return 1
-    if args.json:
-        print(json.dumps({"engine": args.engine, "version": args.version, "units": units, "symbols": rows}, indent=2))
-    else:
-        print(report_text(f"{args.engine} {args.version} (read from {args.sources}, units of {units})", rows))
-    return 0 if all(row["status"] == "ok" for row in rows) else 1
+    if len(args.releases) % 2:
+        parser.error("give each release as VERSION SOURCES, e.g. 0.33.0 .read-releases/vllm-0.33.0")
+    pairs = list(zip(args.releases[::2], args.releases[1::2], strict=True))
+    if args.json and len(pairs) > 1:
+        parser.error("--json reads one release")
+    for _, sources in pairs:
+        if not os.path.isdir(os.path.join(sources, args.engine)):
+            parser.error(f"{sources} has no {args.engine}/ folder: unpack the release's wheel there")
+    codes = [read_one(args.engine, v, src, args.units, args.json, args.brief) for v, src in pairs]
+    return max(codes)
 
 
 if __name__ == "__main__":
