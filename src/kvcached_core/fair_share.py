@@ -80,8 +80,13 @@ class FairShare:
         """(an equal share of the device's KV memory, what this process holds, how many engines hold memory
         on the device): the share is what the kvcached engines there hold plus what is spare, divided by
         their number."""
+        held, share = self._held_and_share(self._my_pools())
+        return share, held.get(os.getpid(), 0), len(held)
+
+    def _held_and_share(self, pools: list) -> tuple[dict[int, int], int]:
+        """What each engine process on the device holds (by pid), and an equal share (:meth:`share_bytes`)."""
         held = held_per_process(self.settings, self.device)
-        return self._share(held, self._spare(self._my_pools())), held.get(os.getpid(), 0), len(held)
+        return held, self._share(held, self._spare(pools))
 
     @staticmethod
     def _spare(pools: list) -> int:
@@ -120,8 +125,7 @@ class FairShare:
         if self._short_for(pid, now) < self._wait_s and pid not in self._claims:
             return self._capped  # left to the neighbours' own requests finishing, for now
         pools = self._my_pools()
-        held = held_per_process(self.settings, self.device)
-        share = self._share(held, self._spare(pools))
+        held, share = self._held_and_share(pools)
         if pid not in self._claims and held.get(pid, 0) >= share:
             return self._capped  # overloaded, not starved: yielding to it only moves the overload to this engine
         self._last_shortfall = now
