@@ -314,6 +314,44 @@ def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(t
         child.wait()
 
 
+def test_a_shortfall_never_raises_a_cap_even_while_this_engines_segment_lags_its_frees(tmp_path, monkeypatch):
+    """A shortfall read while this process's published segment still shows pages it has freed (it republishes
+    every watch interval; here an hour) must not see a share above the one it yields to: counting both its old
+    holdings and the neighbour's growth into them once raised the cap from 32 to 40 MiB. The policy is driven
+    by hand here (no watch thread), so the stale segment stays stale."""
+    from kvcached_core import KVCacheManager
+    from kvcached_core.fair_share import FairShare
+
+    MiB = 1 << 20
+    for name, value in (
+        ("RUNTIME_DIR", str(tmp_path)),
+        ("HOST_DEVICE_BYTES", "64MiB"),
+        ("WATCH_INTERVAL_MS", "3600000"),
+    ):
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    settings = load_settings()
+    child, tell = start_neighbour()
+    mine = KVCacheManager(
+        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
+    )
+    policy = FairShare(settings, "cpu")
+    try:
+        held = mine.alloc(48)
+        assert held is not None
+        mine._control.publish()
+        assert policy.on_shortfall(child.pid) and mine.yield_cap == 32 * MiB
+        mine.free(held[32:])
+        mine.trim()
+        assert mine.snapshot()["mapped_bytes"] == 32 * MiB  # the segment still says 48
+        tell("grow")  # the neighbour maps what that gave back: 32 MiB each, nothing spare
+        assert policy.on_shortfall(child.pid) and mine.yield_cap == 32 * MiB
+        assert policy.share_bytes() == (32 * MiB, 32 * MiB, 2)
+    finally:
+        mine.close()
+        child.kill()
+        child.wait()
+
+
 def test_fair_share_yields_only_to_a_neighbour_below_its_share(tmp_path, monkeypatch):
     """Three processes on a 112 MiB host budget, all backlogged (no memory spare): this one and a neighbour
     hold 48 MiB each, another neighbour 16; an equal share is 37.3 MiB. The large neighbour's shortfalls cap

@@ -85,8 +85,20 @@ class FairShare:
 
     def _held_and_share(self, pools: list) -> tuple[dict[int, int], int]:
         """What each engine process on the device holds (by pid), and an equal share (:meth:`share_bytes`)."""
-        held = held_per_process(self.settings, self.device)
+        held = self._held(pools)
         return held, self._share(held, self._spare(pools))
+
+    def _held(self, pools: list) -> dict[int, int]:
+        """:func:`held_per_process`, with this process's own holdings read live from ``pools``: its published
+        segments lag its frees, and a share computed from them (its old holdings, the spare memory that
+        freeing made) would exceed the device."""
+        held = held_per_process(self.settings, self.device)
+        if pools:
+            snaps = [(m, m.snapshot()) for m in pools]
+            held[os.getpid()] = sum(
+                s["mapped_bytes"] + max(0, s["pool_ready_handles"]) * m.page_bytes for m, s in snaps
+            )
+        return held
 
     @staticmethod
     def _spare(pools: list) -> int:
@@ -120,7 +132,7 @@ class FairShare:
         """Engine ``pid`` on the device fell short: once it has been short for ``KVCACHED_FAIR_SHARE_WAIT_MS``
         (at once while it holds a claim), it holds a claim on an equal share if it holds less than one (or
         already holds a claim), and this process's pools there are capped at an equal share if it holds more
-        than one. Returns whether they are capped."""
+        than one (a shortfall lowers caps, never raises them). Returns whether they are capped."""
         now = time.monotonic()
         if self._short_for(pid, now) < self._wait_s and pid not in self._claims:
             return self._capped  # left to the neighbours' own requests finishing, for now
@@ -135,6 +147,9 @@ class FairShare:
             return self._capped
         if not any(m.snapshot()["mapped_bytes"] for m in pools):
             return self._capped
+        caps = sum(m.yield_cap or 0 for m in pools)
+        if self._capped and caps <= share:
+            return True  # raising them is :meth:`tick`'s, once the claims allow it
         self._set_caps(share, pools)
         if not self._capped:
             logger.info(
@@ -154,7 +169,7 @@ class FairShare:
             return
         self._last_look = now  # the segments are read once per LIFT_S, not at every watch interval
         pools = self._my_pools()
-        held = held_per_process(self.settings, self.device)
+        held = self._held(pools)
         # A claim ends CLAIM_S after its engine's last shortfall, or with its engine.
         self._claims = {p: t for p, t in self._claims.items() if now - t < self.CLAIM_S and p in held}
         if not pools or not self._claims:
