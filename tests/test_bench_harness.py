@@ -9,6 +9,8 @@ subject; the harness's start and stop are), and ``nvidia-smi`` is a script on PA
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import socket
@@ -94,3 +96,27 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_refuses_other_traffic(tmp_path):
+    """``run.py compare`` on the multimodel benchmark's own JSON: a static run written before ``--pattern``
+    existed (no pattern field; it replayed staggered bursts) compares with a staggered elastic run, and a
+    run of different traffic is refused with the option that differs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HARNESS), "multimodel"))
+    import run as multimodel
+
+    traffic = {"duration": 10.0, "period_s": 40.0, "burst_s": 10.0, "burst_rate": 40.0, "idle_rate": 0.5}
+    request = {"model": 0, "ok": True, "ttft": 0.2, "tpot": 0.01, "end_s": 5.0}
+    for config, pattern, ttft in (("static", {}, 0.4), ("elastic", {"pattern": "staggered"}, 0.1)):
+        run = {"models": ["m"], "traffic": {**traffic, **pattern}, "requests": [{**request, "ttft": ttft}] * 2}
+        (tmp_path / f"{config}_x2.json").write_text(json.dumps(run))
+    args = argparse.Namespace(models=2, pattern="staggered", out=str(tmp_path), slo_s=1.0)
+    summary = multimodel.compare(args)
+    assert summary["per_model"]["m"]["elastic_over_static"]["ttft_p50"] == pytest.approx(0.25)
+    assert (tmp_path / "multimodel_x2.png").stat().st_size > 0
+
+    elastic = json.loads((tmp_path / "elastic_x2.json").read_text())
+    elastic["traffic"]["burst_rate"] = 27.0
+    (tmp_path / "elastic_x2.json").write_text(json.dumps(elastic))
+    with pytest.raises(SystemExit, match="different traffic \\(burst_rate 40.0 vs 27.0\\)"):
+        multimodel.compare(args)

@@ -254,7 +254,8 @@ def compare(args: argparse.Namespace) -> dict:
             raise SystemExit(f"run.py compare: no {path}; run `{command}` first")
         with open(path) as f:
             runs[config] = json.load(f)
-    static_traffic, elastic_traffic = runs["static"]["traffic"], runs["elastic"]["traffic"]
+    # runs recorded before --pattern existed replayed the only traffic there was then: staggered
+    static_traffic, elastic_traffic = ({"pattern": "staggered", **runs[c]["traffic"]} for c in ("static", "elastic"))
     if static_traffic != elastic_traffic:
         differ = ", ".join(
             f"{k} {static_traffic.get(k)} vs {elastic_traffic.get(k)}"
