@@ -557,6 +557,8 @@ SERVER_SIDES = [
     ("kvcached-block-outer", True, {"KVCACHED_KV_LAYOUT": "block-outer"}),
     # two pages (2 x 32 MiB in each buffer: 32k tokens here) mapped ahead by a background thread
     ("kvcached-ahead", True, {"KVCACHED_MAP_AHEAD_PAGES": "2"}),
+    # no backstop under unmapped pages: every map and unmap one page-table change instead of two
+    ("kvcached-nobackstop", True, {"KVCACHED_BACKSTOP": "0"}),
     # the peer project (ovg-project/kvcached), its vLLM patches on, ours off: see peer_env
     ("peer", False, None),
 ]
