@@ -639,7 +639,10 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 for rate, n, seed in rates:
                     key = "inf" if rate == float("inf") else str(int(rate))
                     before, hits = driver_calls(server.name), prefix_hits(server)
+                    profile = profile_engine(server, f"profile-{side}-{round_ + 1}", args.out) if key == "64" else None
                     stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
+                    if profile is not None:
+                        profile.wait(60)
                     stats["round"] = round_
                     after, hits_after = driver_calls(server.name), prefix_hits(server)
                     if hits and hits_after and hits_after[1] > hits[1]:
@@ -652,6 +655,23 @@ def phase_serve(args: argparse.Namespace) -> dict:
     for by_side in result["rates"].values():
         summarise_rounds(by_side, [side for side, _, _ in args.sides])
     return result
+
+
+def profile_engine(server: Server, name: str, out: str) -> subprocess.Popen | None:
+    """With ``KVCACHED_BENCH_PYSPY`` naming a py-spy binary, record the server's EngineCore process (every
+    thread, idle ones too, without pausing it) for 6 s into ``out/name.raw``: where the scheduler's and the
+    model runner's time goes while the 64/s rate runs. None when unset or the process is not found."""
+    spy = os.environ.get("KVCACHED_BENCH_PYSPY")
+    if not spy:
+        return None
+    found = subprocess.run(["pgrep", "-s", str(server.proc.pid), "-f", "EngineCore"], capture_output=True, text=True)
+    pids = found.stdout.split()
+    if not pids:
+        log(f"profile {name}: no EngineCore process under {server.name}")
+        return None
+    command = [spy, "record", "-p", pids[0], "-d", "6", "-r", "250", "--threads", "--idle", "--nonblocking"]
+    command += ["-f", "raw", "-o", os.path.join(out, f"{name}.raw")]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, f"{name}.log"), "w"))
 
 
 SERVE_METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
