@@ -623,7 +623,8 @@ def phase_serve(args: argparse.Namespace) -> dict:
     open-loop client at 16/s, 64/s and all at once (512-token prompts, 128 generated). Every rate sends
     prompts of its own (a repeated prompt would be a prefix-cache hit, and between rounds vanilla keeps every
     cached prefix while an idle kvcached engine keeps its budget's worth), and each records the server's
-    prefix-cache hit rate, so a with/without pair is known to have done the same work. Per rate and side:
+    prefix-cache hit rate, so a with/without pair is known to have done the same work, and its preemptions
+    (requests vLLM stopped and recomputes: work the other side may not have done). Per rate and side:
     every round's figures, their medians, kvcached's map/unmap calls; per kvcached side the median over
     rounds of each pair's ratio to vanilla, and the range."""
     rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
@@ -639,12 +640,16 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 for rate, n, seed in rates:
                     key = "inf" if rate == float("inf") else str(int(rate))
                     before, hits = driver_calls(server.name), prefix_hits(server)
+                    preempted = server.metric("vllm:num_preemptions")
                     profile = profile_engine(server, f"profile-{side}-{round_ + 1}", args.out) if key == "64" else None
                     stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
                     if profile is not None:
                         profile.wait(60)
                     stats["round"] = round_
                     after, hits_after = driver_calls(server.name), prefix_hits(server)
+                    preempted_after = server.metric("vllm:num_preemptions")
+                    if preempted is not None and preempted_after is not None:
+                        stats["preemptions"] = preempted_after - preempted  # recomputed work, either side
                     if hits and hits_after and hits_after[1] > hits[1]:
                         stats["prefix_cache_hit_rate"] = (hits_after[0] - hits[0]) / (hits_after[1] - hits[1])
                     if kvcached:
