@@ -73,10 +73,17 @@ class Churn:
     def __init__(self, drv: Driver, pages: int = 8, backstop: bool = False) -> None:
         self.drv, self.pages, self.backstop = drv, pages, backstop
         self.calls = 0
+        self.error: str | None = None  # a driver call that failed on the churn thread (it then stops)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        try:
+            self._churn()
+        except RuntimeError as exc:
+            self.error = str(exc)
+
+    def _churn(self) -> None:
         drv = self.drv
         drv.call("cuCtxSetCurrent", drv.ctx)
         base = drv.reserve(self.pages * SLAB)
@@ -173,6 +180,8 @@ def probe(torch, drv: Driver, nbytes: int, block_bytes: int, blocks: int, second
             result["page_table_calls_per_s"] = round(churn.calls / churn.seconds)
             result["us_per_call"] = round(churn.seconds * 1e6 / max(churn.calls, 1), 1)  # while the GPU reads
             result["slowdown"] = round(result["median_ms"] / quiet["median_ms"], 3)
+            if churn.error:
+                result["churn_error"] = churn.error
             out[name] = result
         out["mapped_over_cudamalloc"] = round(out["mapped"]["median_ms"] / out["cudamalloc"]["median_ms"], 3)
     finally:
