@@ -22,7 +22,7 @@ import argparse
 import threading
 import time
 
-from probe_slices import SLAB, Driver, report
+from probe_slices import SLAB, Driver, open_torch_device, report
 
 MiB = 1 << 20
 
@@ -113,17 +113,10 @@ def main() -> int:
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-        torch.cuda.set_device(args.device)
-        torch.cuda.init()
-        drv = Driver(args.device)
-    except (ImportError, OSError, RuntimeError) as exc:
-        print(f"probe_busy: no usable CUDA device here ({exc}); run it on a GPU machine")
+    opened = open_torch_device("probe_busy", args.device)
+    if opened is None:
         return 2
+    torch, drv = opened
     report({"probe": "busy", "device": args.device, "calls": probe(torch, drv, args.busy_ms)}, args.out)
     return 0
 

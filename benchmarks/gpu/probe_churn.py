@@ -32,7 +32,7 @@ import statistics
 import threading
 import time
 
-from probe_slices import SLAB, Driver, report
+from probe_slices import SLAB, Driver, open_torch_device, report
 
 MiB = 1 << 20
 
@@ -205,17 +205,10 @@ def main() -> int:
         parser.error("--seconds must be positive")
     if (args.gib << 30) % (args.block_kib << 10) or args.block_kib % 8:
         parser.error("--block-kib must be a multiple of 8 that divides the buffer (a power of two)")
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-        torch.cuda.set_device(args.device)
-        torch.cuda.init()
-        drv = Driver(args.device)
-    except (ImportError, OSError, RuntimeError) as exc:
-        print(f"probe_churn: no usable CUDA device here ({exc}); run it on a GPU machine")
+    opened = open_torch_device("probe_churn", args.device)
+    if opened is None:
         return 2
+    torch, drv = opened
     nbytes = args.gib << 30
     result = probe(torch, drv, nbytes, args.block_kib << 10, args.blocks, args.seconds)
     report({"probe": "churn", "device": args.device, **result}, args.out)

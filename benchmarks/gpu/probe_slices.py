@@ -222,6 +222,22 @@ def probe(drv: Driver, total: int) -> dict:
     return out
 
 
+def open_torch_device(probe_name: str, device: int):
+    """torch on ``device`` with CUDA initialised, and the probe's :class:`Driver` on the same context, or
+    None after one line saying why (no torch, no CUDA device, no driver): for probes that also run kernels."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch sees no CUDA device")
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+        return torch, Driver(device)
+    except (ImportError, OSError, RuntimeError) as exc:
+        print(f"{probe_name}: no usable CUDA device here ({exc}); run it on a GPU machine")
+        return None
+
+
 def report(result: dict, out: str | None) -> None:
     """Print a probe's JSON, and write it to ``out`` too when given."""
     text = json.dumps(result, indent=1)
