@@ -10,6 +10,7 @@ subject; the harness's start and stop are), and ``nvidia-smi`` is a script on PA
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -102,8 +103,10 @@ def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_r
     """``run.py compare`` on the multimodel benchmark's own JSON: a static run written before ``--pattern``
     existed (no pattern field; it replayed staggered bursts) compares with a staggered elastic run, and a
     run of different traffic is refused with the option that differs."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HARNESS), "multimodel"))
-    import run as multimodel
+    path = os.path.join(os.path.dirname(HARNESS), "multimodel", "run.py")
+    spec = importlib.util.spec_from_file_location("multimodel_run", path)  # "run" alone would be ambiguous
+    multimodel = sys.modules["multimodel_run"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(multimodel)
 
     traffic = {"duration": 10.0, "period_s": 40.0, "burst_s": 10.0, "burst_rate": 40.0, "idle_rate": 0.5}
     request = {"model": 0, "ok": True, "ttft": 0.2, "tpot": 0.01, "end_s": 5.0}
