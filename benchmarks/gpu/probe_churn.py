@@ -34,8 +34,6 @@ import time
 
 from probe_slices import SLAB, Driver, open_torch_device, report
 
-MiB = 1 << 20
-
 
 class MappedBuffer:
     """``nbytes`` of device memory as 32 MiB handles mapped back to back, readable by torch."""
