@@ -18,7 +18,9 @@ ids over a ``--gib`` buffer (what paged attention reads), and times it with CUDA
 - ``mapped_churn`` and ``cudamalloc_churn``: the same read while another thread maps and unmaps 32 MiB
   handles on a separate range as fast as the driver lets it (map + access, then unmap);
 - ``mapped_churn_backstop``: as kvcached does with its backstop, every unmap is followed by a map of one
-  shared handle and an access call, and every map by an unmap of it.
+  shared handle and an access call, and every map by an unmap of it;
+- ``mapped_churn_create``: each handle also created before its map and released after its unmap, as when a
+  burst outgrows kvcached's pool of handles (16 by default; a 40 GiB burst of a 32-layer model takes 1280).
 
 Per variant: the median and p99 gather time, the read bandwidth and, under churn, the page-table calls per
 second that ran beside it and what one call took from the host while the GPU read. A churn variant's
@@ -66,10 +68,19 @@ class _CudaArray:
 
 
 class Churn:
-    """A thread that maps and unmaps 32 MiB handles on a range of its own until stopped; counts the calls."""
+    """A thread that changes page tables on a range of its own until stopped, counting its driver calls.
 
-    def __init__(self, drv: Driver, pages: int = 8, backstop: bool = False) -> None:
-        self.drv, self.pages, self.backstop = drv, pages, backstop
+    ``mode``: ``map`` maps 8 handles (map + access) and unmaps them, over and over; ``backstop`` does the same
+    as kvcached does with its backstop (each unmap followed by a map of one shared handle and an access call,
+    each map preceded by an unmap of it); ``create`` also creates each handle before it is mapped and
+    releases it after its unmap (what a burst past kvcached's handle pool does)."""
+
+    MODES = ("map", "backstop", "create")
+
+    def __init__(self, drv: Driver, mode: str, pages: int = 8) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, not {mode!r}")
+        self.drv, self.mode, self.pages = drv, mode, pages
         self.calls = 0
         self.error: str | None = None  # a driver call that failed on the churn thread (it then stops)
         self._stop = threading.Event()
@@ -82,33 +93,41 @@ class Churn:
             self.error = str(exc)
 
     def _churn(self) -> None:
-        drv = self.drv
+        drv, backstop, create = self.drv, self.mode == "backstop", self.mode == "create"
         drv.call("cuCtxSetCurrent", drv.ctx)
         base = drv.reserve(self.pages * SLAB)
-        handles = [drv.create(SLAB) for _ in range(self.pages)]
+        handles = [] if create else [drv.create(SLAB) for _ in range(self.pages)]
         shared = drv.create(SLAB)
         addrs = [base + k * SLAB for k in range(self.pages)]
-        if self.backstop:  # every page starts on the shared handle, as kvcached's unmapped pages do
+        if backstop:  # every page starts on the shared handle, as kvcached's unmapped pages do
             for addr in addrs:
                 drv.map(addr, SLAB, shared)
                 drv.set_access(addr, SLAB)
         try:
             while not self._stop.is_set():
+                if create:
+                    handles = [drv.create(SLAB) for _ in addrs]
+                    self.calls += len(addrs)
                 for addr, handle in zip(addrs, handles, strict=True):
-                    if self.backstop:
+                    if backstop:
                         drv.unmap(addr, SLAB)
                     drv.map(addr, SLAB, handle)
                     drv.set_access(addr, SLAB)
-                    self.calls += 3 if self.backstop else 2
+                    self.calls += 3 if backstop else 2
                 for addr in addrs:
                     drv.unmap(addr, SLAB)
                     self.calls += 1
-                    if self.backstop:
+                    if backstop:
                         drv.map(addr, SLAB, shared)
                         drv.set_access(addr, SLAB)
                         self.calls += 2
+                if create:
+                    for handle in handles:
+                        drv.call("cuMemRelease", handle)
+                    self.calls += len(handles)
+                    handles = []
         finally:
-            if self.backstop:
+            if backstop:
                 for addr in addrs:
                     drv.unmap(addr, SLAB)
             for handle in (*handles, shared):
@@ -167,12 +186,13 @@ def probe(torch, drv: Driver, nbytes: int, block_bytes: int, blocks: int, second
         for name, buffer in (("cudamalloc", malloc), ("mapped", mapped.tensor)):
             gather_times(torch, buffer, block_bytes, blocks, 0.3)  # warm-up
             out[name] = summary(gather_times(torch, buffer, block_bytes, blocks, seconds), read)
-        for name, buffer, backstop in (
-            ("mapped_churn", mapped.tensor, False),
-            ("mapped_churn_backstop", mapped.tensor, True),
-            ("cudamalloc_churn", malloc, False),
+        for name, buffer, mode in (
+            ("mapped_churn", mapped.tensor, "map"),
+            ("mapped_churn_backstop", mapped.tensor, "backstop"),
+            ("mapped_churn_create", mapped.tensor, "create"),
+            ("cudamalloc_churn", malloc, "map"),
         ):
-            with Churn(drv, backstop=backstop) as churn:
+            with Churn(drv, mode) as churn:
                 result = summary(gather_times(torch, buffer, block_bytes, blocks, seconds), read)
             quiet = out["mapped" if buffer is mapped.tensor else "cudamalloc"]
             result["page_table_calls_per_s"] = round(churn.calls / churn.seconds)
