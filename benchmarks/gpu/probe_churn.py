@@ -1,14 +1,17 @@
-"""Do page-table changes slow the GPU's own work, and is KV read through mapped pages slower? Prints JSON.
+"""Do page-table changes slow the GPU's work or the engine's launches; is KV read through mapped pages slower?
+
+Prints JSON.
 
     python benchmarks/gpu/probe_churn.py [--gib 8] [--seconds 3] [--out FILE]
 
 Serving on the H200 (``benchmarks/results/h200-vllm/``, runs 14 and 15) cost kvcached 1.06-1.5x vanilla's
 TPOT and up to a third of its saturation throughput, while a profile of the engine's scheduler thread put
 under 6 % of it in kvcached code, and ``probe_busy.py`` showed that no driver call waits for the GPU from the
-host's side. What no host-side timing shows is what the GPU pays: every cuMemMap, cuMemSetAccess and
-cuMemUnmap changes the GPU's page tables, which may invalidate its TLBs and stall kernels that are running.
-And vLLM's own KV cache is one cudaMalloc, kvcached's is made of separately mapped 32 MiB handles: a kernel
-that gathers blocks across it may miss the TLB more.
+host's side. What that timing does not show is what the GPU and the engine's own thread pay: every
+cuMemMap, cuMemSetAccess and cuMemUnmap changes the GPU's page tables, which may invalidate its TLBs and
+stall kernels that are running, and may hold a driver lock that the engine's kernel launches wait for. And
+vLLM's own KV cache is one cudaMalloc, kvcached's is made of separately mapped 32 MiB handles: a kernel that
+gathers blocks across it may miss the TLB more.
 
 The probe runs a KV-like read on the GPU without pause, a gather of ``--block-kib`` blocks at random
 ids over a ``--gib`` buffer (what paged attention reads), and times it with CUDA events:
@@ -20,11 +23,13 @@ ids over a ``--gib`` buffer (what paged attention reads), and times it with CUDA
 - ``mapped_churn_backstop``: as kvcached does with its backstop, every unmap is followed by a map of one
   shared handle and an access call, and every map by an unmap of it;
 - ``mapped_churn_create``: each handle also created before its map and released after its unmap, as when a
-  burst outgrows kvcached's pool of handles (16 by default; a 40 GiB burst of a 32-layer model takes 1280).
+  burst outgrows kvcached's pool of handles (16 by default; a 40 GiB burst of a 32-layer model takes 1280);
+- ``cudamalloc_sync``: another thread in cuCtxSynchronize over and over (kvcached's fence before an unmap).
 
-Per variant: the median and p99 gather time, the read bandwidth and, under churn, the page-table calls per
-second that ran beside it and what one call took from the host while the GPU read. A churn variant's
-``slowdown`` over its quiet variant is what the GPU pays.
+Per variant: the median and p99 gather time, the read bandwidth, the host time to launch a tiny kernel
+(``launch_us``: vLLM's engine thread launches hundreds per step and is CPU-bound at these rates) and, beside
+churn, the driver calls per second that ran and what one took from the host. A churn variant's ``slowdown``
+over its quiet variant is what the GPU pays; its ``launch_slowdown``, what the engine's thread pays.
 """
 
 from __future__ import annotations
@@ -73,9 +78,10 @@ class Churn:
     ``mode``: ``map`` maps 8 handles (map + access) and unmaps them, over and over; ``backstop`` does the same
     as kvcached does with its backstop (each unmap followed by a map of one shared handle and an access call,
     each map preceded by an unmap of it); ``create`` also creates each handle before it is mapped and
-    releases it after its unmap (what a burst past kvcached's handle pool does)."""
+    releases it after its unmap (what a burst past kvcached's handle pool does); ``sync`` calls
+    cuCtxSynchronize over and over (kvcached's fence before it unmaps)."""
 
-    MODES = ("map", "backstop", "create")
+    MODES = ("map", "backstop", "create", "sync")
 
     def __init__(self, drv: Driver, mode: str, pages: int = 8) -> None:
         if mode not in self.MODES:
@@ -95,6 +101,11 @@ class Churn:
     def _churn(self) -> None:
         drv, backstop, create = self.drv, self.mode == "backstop", self.mode == "create"
         drv.call("cuCtxSetCurrent", drv.ctx)
+        if self.mode == "sync":
+            while not self._stop.is_set():
+                drv.call("cuCtxSynchronize")
+                self.calls += 1
+            return
         base = drv.reserve(self.pages * SLAB)
         handles = [] if create else [drv.create(SLAB) for _ in range(self.pages)]
         shared = drv.create(SLAB)
@@ -166,6 +177,19 @@ def gather_times(torch, buffer, block_bytes: int, blocks: int, seconds: float) -
     return times
 
 
+def launch_us(torch, launches: int = 2000) -> float:
+    """Host microseconds per launch of a tiny kernel, launched back to back: what a CPU-bound engine (vLLM's
+    piecewise steps launch hundreds of kernels each) pays per kernel."""
+    small = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(launches):
+        small.add_(1)
+    host = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    return round(host * 1e6 / launches, 2)
+
+
 def summary(times: list[float], read_bytes: int) -> dict:
     ordered = sorted(times)
     median = statistics.median(ordered)
@@ -186,18 +210,22 @@ def probe(torch, drv: Driver, nbytes: int, block_bytes: int, blocks: int, second
         for name, buffer in (("cudamalloc", malloc), ("mapped", mapped.tensor)):
             gather_times(torch, buffer, block_bytes, blocks, 0.3)  # warm-up
             out[name] = summary(gather_times(torch, buffer, block_bytes, blocks, seconds), read)
+            out[name]["launch_us"] = launch_us(torch)
         for name, buffer, mode in (
             ("mapped_churn", mapped.tensor, "map"),
             ("mapped_churn_backstop", mapped.tensor, "backstop"),
             ("mapped_churn_create", mapped.tensor, "create"),
             ("cudamalloc_churn", malloc, "map"),
+            ("cudamalloc_sync", malloc, "sync"),
         ):
             with Churn(drv, mode) as churn:
                 result = summary(gather_times(torch, buffer, block_bytes, blocks, seconds), read)
+                result["launch_us"] = launch_us(torch)
             quiet = out["mapped" if buffer is mapped.tensor else "cudamalloc"]
-            result["page_table_calls_per_s"] = round(churn.calls / churn.seconds)
+            result["driver_calls_per_s"] = round(churn.calls / churn.seconds)
             result["us_per_call"] = round(churn.seconds * 1e6 / max(churn.calls, 1), 1)  # while the GPU reads
             result["slowdown"] = round(result["median_ms"] / quiet["median_ms"], 3)
+            result["launch_slowdown"] = round(result["launch_us"] / quiet["launch_us"], 3)
             if churn.error:
                 result["churn_error"] = churn.error
             out[name] = result
