@@ -514,8 +514,9 @@ void BlockAllocator::push_unmapped(std::int32_t page_id) {
 
 void BlockAllocator::map_ahead() {
   std::lock_guard<std::mutex> serial(unmap_mu_);  // never beside trim()'s unmapping
+  bool device_read = false;                       // the device's free memory was read in this pass
   for (;;) {
-    std::int32_t page_id;
+    std::int32_t page_id = -1;
     {
       std::lock_guard<std::mutex> lock(mu_);
       const std::int64_t empty = empty_pages_.load(std::memory_order_relaxed);
@@ -524,14 +525,25 @@ void BlockAllocator::map_ahead() {
                                     ? std::min(config_.map_ahead_pages, config_.reserved_pages)
                                     : config_.map_ahead_pages;
       if (closed() || unmapped_.empty() || empty >= want ||
-          mapped_pages_.load(std::memory_order_relaxed) >= allowed_pages() || available_size() <= assured_size())
-        return;  // enough ahead, or the limit, virtual capacity or device memory (last reading) has no page
-      // Off the stack, so no alloc() maps it too; still counted as unmapped, so availability and the
-      // capacity check see it, and as in flight against the limit. An alloc() that needs it waits for it.
-      page_id = unmapped_.back();
-      unmapped_.pop_back();
-      pages_[static_cast<std::size_t>(page_id)].state = PageState::kMapping;
-      ++inflight_;
+          mapped_pages_.load(std::memory_order_relaxed) >= allowed_pages())
+        return;  // enough ahead, or the limit or virtual capacity has no page
+      if (available_size() > assured_size()) {
+        // Off the stack, so no alloc() maps it too; still counted as unmapped, so availability and the
+        // capacity check see it, and as in flight against the limit. An alloc() that needs it waits for it.
+        page_id = unmapped_.back();
+        unmapped_.pop_back();
+        pages_[static_cast<std::size_t>(page_id)].state = PageState::kMapping;
+        ++inflight_;
+      } else if (device_read) {
+        return;  // the device has no page either
+      }
+    }
+    if (page_id < 0) {
+      // The last reading may lag memory freed since (or a failed create zeroed it), and nothing would ask
+      // again before the engine's next allocation: read the device once (a driver call, off the hot path).
+      region_->pool().refresh_free_bytes();
+      device_read = true;
+      continue;
     }
     PageCalls calls;
     bool mapped = false;
