@@ -422,15 +422,21 @@ class Server:
 
     def metric(self, name: str) -> float | None:
         """A Prometheus counter of the server, or None (not exported by this engine or not enabled)."""
+        return self.metrics(name)[name]
+
+    def metrics(self, *names: str) -> dict[str, float | None]:
+        """Several counters from one read of ``/metrics`` (each None as in :meth:`metric`)."""
+        found: dict[str, float | None] = dict.fromkeys(names)
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
                 text = r.read().decode()
         except urllib.error.URLError:
-            return None
+            return found
         for line in text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                return float(line.rsplit(" ", 1)[1])
-        return None
+            for name in names:
+                if found[name] is None and line.startswith(name) and not line.startswith("#"):
+                    found[name] = float(line.rsplit(" ", 1)[1])
+        return found
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -610,10 +616,13 @@ def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.sides = [(name, on, peer_env() if name == "peer" else env) for name, on, env in args.sides]
 
 
-def prefix_hits(server: Server) -> tuple[float, float] | None:
-    """vLLM's prefix-cache counters (tokens hit, tokens queried) from the server's metrics, or None."""
-    hits, queries = server.metric("vllm:prefix_cache_hits"), server.metric("vllm:prefix_cache_queries")
-    return None if hits is None or queries is None else (hits, queries)
+# vLLM's counters that serve reads around each rate: prefix-cache tokens hit and queried, preemptions.
+SERVE_COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions")
+
+
+def counter_deltas(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float]:
+    """What each of the server's counters in both readings grew by."""
+    return {k: after[k] - before[k] for k in before if before[k] is not None and after.get(k) is not None}
 
 
 def phase_serve(args: argparse.Namespace) -> dict:
@@ -639,19 +648,18 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
                 for rate, n, seed in rates:
                     key = "inf" if rate == float("inf") else str(int(rate))
-                    before, hits = driver_calls(server.name), prefix_hits(server)
-                    preempted = server.metric("vllm:num_preemptions")
+                    before, counters = driver_calls(server.name), server.metrics(*SERVE_COUNTERS)
                     profile = profile_engine(server, f"profile-{side}-{round_ + 1}", args.out) if key == "64" else None
                     stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
                     if profile is not None:
                         profile.wait(60)
                     stats["round"] = round_
-                    after, hits_after = driver_calls(server.name), prefix_hits(server)
-                    preempted_after = server.metric("vllm:num_preemptions")
-                    if preempted is not None and preempted_after is not None:
-                        stats["preemptions"] = preempted_after - preempted  # recomputed work, either side
-                    if hits and hits_after and hits_after[1] > hits[1]:
-                        stats["prefix_cache_hit_rate"] = (hits_after[0] - hits[0]) / (hits_after[1] - hits[1])
+                    after, grew = driver_calls(server.name), counter_deltas(counters, server.metrics(*SERVE_COUNTERS))
+                    hits, queries, preemptions = (grew.get(k) for k in SERVE_COUNTERS)
+                    if preemptions is not None:
+                        stats["preemptions"] = preemptions  # recomputed work, either side
+                    if hits is not None and queries:
+                        stats["prefix_cache_hit_rate"] = hits / queries
                     if kvcached:
                         stats["driver_calls"] = {k: after[k] - before[k] for k in after}
                     result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
@@ -676,7 +684,8 @@ def profile_engine(server: Server, name: str, out: str) -> subprocess.Popen | No
         return None
     command = [spy, "record", "-p", pids[0], "-d", "6", "-r", "250", "--threads", "--idle", "--nonblocking"]
     command += ["-f", "raw", "-o", os.path.join(out, f"{name}.raw")]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, f"{name}.log"), "w"))
+    with open(os.path.join(out, f"{name}.log"), "w") as errors:  # the child keeps its own copy
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
 
 
 SERVE_METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
