@@ -123,3 +123,91 @@ def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_r
     (tmp_path / "elastic_x2.json").write_text(json.dumps(elastic))
     with pytest.raises(SystemExit, match="different traffic \\(burst_rate 40.0 vs 27.0\\)"):
         multimodel.compare(args)
+
+
+# A server's two processes, as ``serve`` tells them apart: the front end burns ~0.6 s of CPU, its child (named
+# like vLLM's EngineCore in its command line, which the front end's own must not hold) ~1.2 s; both then wait
+# to be read.
+BURN = "import sys, time\nend = time.process_time() + float(sys.argv[1])\nwhile time.process_time() < end: pass\n"
+BURNING_SERVER = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {BURN + "print('burnt', flush=True); time.sleep(120)"!r}, "1.2",
+                          "Engine" + "Core"], stdout=subprocess.PIPE, text=True)
+sys.argv[1:] = ["0.6"]
+exec({BURN!r})
+child.stdout.readline()
+print("burnt", flush=True)
+time.sleep(120)
+"""
+
+
+def test_cpu_seconds_counts_each_role_of_a_server_session_from_proc():
+    """``cpu_seconds`` reads /proc for real: two live processes of one session, each charged to its role."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BURNING_SERVER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "burnt"
+        used = suite.cpu_seconds(proc.pid)
+        assert set(used) == {"engine_core", "front_end"}
+        assert 1.1 <= used["engine_core"] < 1.6, used
+        assert 0.5 <= used["front_end"] < 1.0, used
+        assert suite.cpu_seconds(proc.pid, engine_process="no-such-title").keys() == {"front_end"}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_engine_counters_are_read_from_the_exposition_vllm_writes():
+    """The names in ``SERVE_COUNTERS`` against prometheus_client's own exposition (what vLLM's ``/metrics``
+    serves): histograms as ``_count``/``_sum``, counters as ``_total``, each read once per scrape; then one
+    rate's engine figures from two scrapes."""
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+    labels = {"labelnames": ["model_name"], "registry": registry}
+    steps = prometheus_client.Histogram("vllm:iteration_tokens_total", "", buckets=[1, 512, 8192], **labels)
+    itl = prometheus_client.Histogram("vllm:inter_token_latency_seconds", "", **labels)
+    preempted = prometheus_client.Counter("vllm:num_preemptions", "", **labels)
+    steps, itl, preempted = (metric.labels("m") for metric in (steps, itl, preempted))  # vLLM labels at start
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        reader = object.__new__(suite.Server)
+        reader.port = server.server_port
+        before = reader.metrics(*suite.SERVE_COUNTERS)
+        for tokens in (480, 480, 8192, 480):
+            steps.observe(tokens)
+        for gap in (0.03, 0.05):
+            itl.observe(gap)
+        preempted.inc(2)
+        grew = suite.counter_deltas(before, reader.metrics(*suite.SERVE_COUNTERS))
+    finally:
+        server.shutdown()
+        thread.join()
+    assert grew["vllm:num_preemptions"] == 2
+    assert "vllm:prefix_cache_hits" not in grew  # not exported here: left out, not zero
+    figures = suite.engine_figures(grew, {"engine_core": 1.5, "front_end": 0.5}, 2.0)
+    assert figures["steps"] == 4 and figures["tokens_per_step"] == (3 * 480 + 8192) / 4
+    assert figures["engine_itl_ms"] == pytest.approx(40.0)
+    assert figures["engine_core_cores"] == 0.75 and figures["front_end_cpu_s"] == 0.5
+
+
+def test_serve_pairs_each_wave_with_vanillas_same_round_and_wave():
+    """A saturation rate runs in waves: each kvcached wave is compared with vanilla's wave of the same round,
+    and the engine's figures are summarised beside the client's."""
+
+    def run(round_: int, wave: int, throughput: float, itl: float) -> dict:
+        figures = {"ok": 480, "failed": 0, "errors": [], "request_throughput": throughput, "tpot_p50": 0.04}
+        return {"round": round_, "wave": wave, **figures, "engine": {"engine_itl_ms": itl}}
+
+    by_side = {
+        "vanilla_rounds": [run(0, 0, 90, 30), run(0, 1, 60, 50), run(1, 0, 80, 40)],
+        "kvcached_rounds": [run(0, 1, 60, 50), run(0, 0, 45, 60), run(1, 0, 80, 40), run(1, 1, 70, 45)],
+    }
+    suite.summarise_rounds(by_side, ["vanilla", "kvcached"])
+    # pairs: (0, 0) 45/90, (0, 1) 60/60, (1, 0) 80/80; kvcached's (1, 1) has no vanilla wave to pair with
+    assert by_side["ratio_kvcached"]["request_throughput"] == 1.0
+    assert by_side["ratio_range_kvcached"]["request_throughput"] == [0.5, 1.0]
+    assert by_side["ratio_range_kvcached"]["engine_itl_ms"] == [1.0, 2.0]
+    assert by_side["kvcached"]["engine_itl_ms"] == 47.5 and by_side["vanilla"]["engine_itl_ms"] == 40
+    assert by_side["ratio_kvcached"]["ttft_p50"] is None  # not recorded: no ratio rather than an error

@@ -49,6 +49,8 @@ from models import make_tiny_hybrid_mamba, make_tiny_mla  # noqa: E402
 class SGLangServer(harness.Server):
     """One ``python -m sglang.launch_server`` in its own process group."""
 
+    ENGINE_PROCESS = "sglang::scheduler"  # SGLang retitles its scheduler process so
+
     def command(self, model: str, extra: list[str]) -> list[str]:
         return [
             sys.executable,

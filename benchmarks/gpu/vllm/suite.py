@@ -325,7 +325,10 @@ def port_taken(port: int) -> bool:
 
 class Server:
     """One ``vllm serve`` (the OpenAI server module) in its own process group; other engines' servers
-    override :meth:`command`."""
+    override :meth:`command` and :attr:`ENGINE_PROCESS`."""
+
+    # What the process that schedules and runs the model has in its command line (vLLM retitles it so).
+    ENGINE_PROCESS = "EngineCore"
 
     def __init__(
         self,
@@ -616,8 +619,19 @@ def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.sides = [(name, on, peer_env() if name == "peer" else env) for name, on, env in args.sides]
 
 
-# vLLM's counters that serve reads around each rate: prefix-cache tokens hit and queried, preemptions.
-SERVE_COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions")
+# vLLM's counters that serve reads around each rate: prefix-cache tokens hit and queried, preemptions, and the
+# engine's own view of the work, free of the HTTP front end and the client: steps run and the tokens they
+# scheduled (``iteration_tokens_total``, a histogram: _count steps, _sum tokens), and the time between two
+# tokens of a request as EngineCore stamped them (``inter_token_latency_seconds``).
+SERVE_COUNTERS = (
+    "vllm:prefix_cache_hits",
+    "vllm:prefix_cache_queries",
+    "vllm:num_preemptions",
+    "vllm:iteration_tokens_total_count",
+    "vllm:iteration_tokens_total_sum",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+)
 
 
 def counter_deltas(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float]:
@@ -625,18 +639,65 @@ def counter_deltas(before: dict[str, float | None], after: dict[str, float | Non
     return {k: after[k] - before[k] for k in before if before[k] is not None and after.get(k) is not None}
 
 
+def engine_figures(grew: dict[str, float], cpu: dict[str, float], wall_s: float) -> dict[str, float]:
+    """One rate's engine-side figures from :data:`SERVE_COUNTERS`' growth and :func:`cpu_seconds`' growth over
+    ``wall_s``: steps, tokens per step, EngineCore's mean inter-token latency (ms), and the CPU each
+    process role used, as seconds and as a share of one core. Where the client's TPOT moves and these do
+    not, the cost is in front of the engine; where EngineCore's CPU is near one core, its thread bounds it."""
+    figures: dict[str, float] = {"wall_s": wall_s}
+    steps = grew.get("vllm:iteration_tokens_total_count")
+    if steps:
+        figures["steps"] = steps
+        figures["tokens_per_step"] = grew["vllm:iteration_tokens_total_sum"] / steps
+    gaps = grew.get("vllm:inter_token_latency_seconds_count")
+    if gaps:
+        figures["engine_itl_ms"] = 1000 * grew["vllm:inter_token_latency_seconds_sum"] / gaps
+    for role, seconds in cpu.items():
+        figures[f"{role}_cpu_s"] = seconds
+        figures[f"{role}_cores"] = seconds / wall_s if wall_s > 0 else 0.0
+    return figures
+
+
+def cpu_seconds(session: int, engine_process: str = Server.ENGINE_PROCESS) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the live processes of one process session (a server's:
+    it is started in a session of its own), by role: ``engine_core`` (the process whose command line holds
+    ``engine_process``: vLLM's EngineCore, SGLang's scheduler) and ``front_end`` (every other process: the
+    API server and its helpers). Read from /proc; {} where there is none."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # exited while we looked
+            continue
+        if int(fields[3]) != session:  # field 6 of stat(5): the session id
+            continue
+        role = "engine_core" if engine_process.encode() in cmdline else "front_end"
+        used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return used
+
+
+# The rates of ``serve``: (rate, requests, prompt seed, waves). "All at once" is sent in waves of 480 one after
+# the other (480 runs in one batch, under vLLM's largest CUDA graph of 512): one wave lasts ~6 s on the
+# H200, and a server's waves show whether a slow figure is the server's or the moment's.
+SERVE_RATES = [(16.0, 240, 2, 1), (64.0, 480, 3, 1), (float("inf"), 480, 4, 3)]
+
+
 def phase_serve(args: argparse.Namespace) -> dict:
     """Serving latency: one server per chosen side of :data:`SERVER_SIDES`, one after the other, ``--rounds``
     times over (vanilla, kvcached, kvcached, vanilla, ...: one server's figures move between starts, so a
     ratio needs pairs, and the order turns so that drift favours neither), each warmed up, then the
-    open-loop client at 16/s, 64/s and all at once (512-token prompts, 128 generated). Every rate sends
-    prompts of its own (a repeated prompt would be a prefix-cache hit, and between rounds vanilla keeps every
-    cached prefix while an idle kvcached engine keeps its budget's worth), and each records the server's
-    prefix-cache hit rate, so a with/without pair is known to have done the same work, and its preemptions
-    (requests vLLM stopped and recomputes: work the other side may not have done). Per rate and side:
-    every round's figures, their medians, kvcached's map/unmap calls; per kvcached side the median over
-    rounds of each pair's ratio to vanilla, and the range."""
-    rates = [(16.0, 240, 2), (64.0, 480, 3), (float("inf"), 480, 4)]  # rate, requests, prompt seed
+    open-loop client at each of :data:`SERVE_RATES` (512-token prompts, 128 generated). Every rate and wave
+    sends prompts of its own (a repeated prompt would be a prefix-cache hit, and between rounds vanilla keeps
+    every cached prefix while an idle kvcached engine keeps its budget's worth), and each records the
+    server's prefix-cache hit rate, so a with/without pair is known to have done the same work, its
+    preemptions (requests vLLM stopped and recomputes: work the other side may not have done), and the
+    engine's own figures (:func:`engine_figures`). Per rate and side: every round's (and wave's) figures,
+    their medians, kvcached's map/unmap calls; per kvcached side the median of each pair's ratio to
+    vanilla (same round, same wave), and the range."""
     result: dict = {"input_len": 512, "output_len": 128, "rounds": args.rounds, "rates": {}}
     for round_ in range(args.rounds):
         for side, kvcached, env in round_order(args.sides, round_):
@@ -646,54 +707,95 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 result.setdefault(f"startup_s_{side}", []).append(server.wait_ready())
                 log(f"serve {side} up (round {round_ + 1} of {args.rounds})")
                 asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
-                for rate, n, seed in rates:
+                for rate, n, seed, waves in SERVE_RATES:
                     key = "inf" if rate == float("inf") else str(int(rate))
-                    before, counters = driver_calls(server.name), server.metrics(*SERVE_COUNTERS)
-                    profile = profile_engine(server, f"profile-{side}-{round_ + 1}", args.out) if key == "64" else None
-                    stats = asyncio.run(open_loop(8100, server.name, token_prompts(n, 512, seed), rate, 128))
-                    if profile is not None:
-                        profile.wait(60)
-                    stats["round"] = round_
-                    after, grew = driver_calls(server.name), counter_deltas(counters, server.metrics(*SERVE_COUNTERS))
-                    hits, queries, preemptions = (grew.get(k) for k in SERVE_COUNTERS)
-                    if preemptions is not None:
-                        stats["preemptions"] = preemptions  # recomputed work, either side
-                    if hits is not None and queries:
-                        stats["prefix_cache_hit_rate"] = hits / queries
-                    if kvcached:
-                        stats["driver_calls"] = {k: after[k] - before[k] for k in after}
-                    result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
-                    log(f"serve {side} rate {key}: ttft p50 {stats['ttft_p50']} tpot p50 {stats['tpot_p50']}")
+                    for wave in range(waves):
+                        stats = serve_rate(server, side, kvcached, rate, n, seed + 100 * wave, args.out, round_, wave)
+                        result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
+                        log(
+                            f"serve {side} rate {key} wave {wave + 1}: ttft p50 {stats['ttft_p50']} tpot p50 "
+                            f"{stats['tpot_p50']} engine {stats.get('engine')}"
+                        )
             write(args.out, "serve", result)
     for by_side in result["rates"].values():
         summarise_rounds(by_side, [side for side, _, _ in args.sides])
     return result
 
 
-def profile_engine(server: Server, name: str, out: str) -> subprocess.Popen | None:
-    """With ``KVCACHED_BENCH_PYSPY`` naming a py-spy binary, record the server's EngineCore process (every
-    thread, idle ones too, without pausing it) for 6 s into ``out/name.raw``: where the scheduler's and the
-    model runner's time goes while the 64/s rate runs. None when unset or the process is not found."""
+def serve_rate(
+    server: Server, side: str, kvcached: bool, rate: float, n: int, seed: int, out: str, round_: int, wave: int
+) -> dict:
+    """One rate (or wave) of ``serve`` on a running server: the client's figures with vLLM's counters,
+    kvcached's driver calls and the processes' CPU around it; the second saturation wave is profiled where
+    ``KVCACHED_BENCH_PYSPY`` asks for it."""
+    before, counters = driver_calls(server.name), server.metrics(*SERVE_COUNTERS)
+    cpu, begin = cpu_seconds(server.proc.pid, server.ENGINE_PROCESS), time.monotonic()
+    profiles = profile_server(server, f"{side}-{round_ + 1}", out) if rate == float("inf") and wave == 1 else []
+    stats = asyncio.run(open_loop(server.port, server.name, token_prompts(n, 512, seed), rate, 128))
+    wall_s, cpu_after = time.monotonic() - begin, cpu_seconds(server.proc.pid, server.ENGINE_PROCESS)
+    for profile in profiles:
+        profile.wait(60)
+    stats["round"], stats["wave"] = round_, wave
+    after, grew = driver_calls(server.name), counter_deltas(counters, server.metrics(*SERVE_COUNTERS))
+    hits, queries, preemptions = (grew.get(k) for k in SERVE_COUNTERS[:3])
+    if preemptions is not None:
+        stats["preemptions"] = preemptions  # recomputed work, either side
+    if hits is not None and queries:
+        stats["prefix_cache_hit_rate"] = hits / queries
+    stats["engine"] = engine_figures(grew, {k: v - cpu.get(k, 0.0) for k, v in cpu_after.items()}, wall_s)
+    if kvcached:
+        stats["driver_calls"] = {k: after[k] - before[k] for k in after}
+    return stats
+
+
+def profile_server(server: Server, name: str, out: str) -> list[subprocess.Popen]:
+    """With ``KVCACHED_BENCH_PYSPY`` naming a py-spy binary, record the server's EngineCore and its API
+    server (every thread, idle ones too, without pausing them) for 5 s into ``out/profile-{engine_core,
+    front_end}-name.raw``: where the scheduler's, the model runner's and the front end's time goes while a
+    saturation wave runs. Empty when unset."""
     spy = os.environ.get("KVCACHED_BENCH_PYSPY")
     if not spy:
-        return None
-    found = subprocess.run(["pgrep", "-s", str(server.proc.pid), "-f", "EngineCore"], capture_output=True, text=True)
-    pids = found.stdout.split()
-    if not pids:
-        log(f"profile {name}: no EngineCore process under {server.name}")
-        return None
-    command = [spy, "record", "-p", pids[0], "-d", "6", "-r", "250", "--threads", "--idle", "--nonblocking"]
-    command += ["-f", "raw", "-o", os.path.join(out, f"{name}.raw")]
-    with open(os.path.join(out, f"{name}.log"), "w") as errors:  # the child keeps its own copy
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
+        return []
+    found = subprocess.run(
+        ["pgrep", "-s", str(server.proc.pid), "-f", server.ENGINE_PROCESS], capture_output=True, text=True
+    )
+    # The front end is the process the harness started: the HTTP server runs in it.
+    targets = {"front_end": str(server.proc.pid)}
+    engines = found.stdout.split()
+    if engines:
+        targets["engine_core"] = engines[0]
+    else:
+        log(f"profile {name}: no {server.ENGINE_PROCESS} process under {server.name}")
+    started = []
+    for role, pid in targets.items():
+        command = [spy, "record", "-p", pid, "-d", "5", "-r", "250", "--threads", "--idle", "--nonblocking"]
+        command += ["-f", "raw", "-o", os.path.join(out, f"profile-{role}-{name}.raw")]
+        with open(os.path.join(out, f"profile-{role}-{name}.log"), "w") as errors:  # the child keeps a copy
+            started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors))
+    return started
 
 
-SERVE_METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "request_throughput")
+# What ``serve`` summarises per side and compares with vanilla: the client's figures, then the engine's own.
+SERVE_METRICS = (
+    "ttft_p50",
+    "ttft_p99",
+    "tpot_p50",
+    "tpot_p99",
+    "request_throughput",
+    "engine_itl_ms",
+    "engine_core_cores",
+)
+
+
+def serve_figure(run: dict, metric: str) -> float | None:
+    """One of :data:`SERVE_METRICS` of one round (or wave) of ``serve``: the client's, or the engine's."""
+    return run[metric] if metric in run else run.get("engine", {}).get(metric)
 
 
 def summarise_rounds(by_side: dict, sides: list[str]) -> None:
-    """One rate of ``serve``: each side's median figures over its rounds, and each kvcached side's ratio
-    to vanilla, pair by pair (round i against vanilla's round i), as the median and the range."""
+    """One rate of ``serve``: each side's median figures over its rounds (and waves), and each kvcached
+    side's ratio to vanilla, pair by pair (round i and wave j against vanilla's), as the median and the
+    range."""
     for side in sides:
         rounds = by_side.get(f"{side}_rounds", [])
         if rounds:
@@ -701,12 +803,19 @@ def summarise_rounds(by_side: dict, sides: list[str]) -> None:
                 "ok": sum(r["ok"] for r in rounds),
                 "failed": sum(r["failed"] for r in rounds),
                 "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
-                **{m: median_of([r[m] for r in rounds]) for m in SERVE_METRICS},
+                **{m: median_of([serve_figure(r, m) for r in rounds]) for m in SERVE_METRICS},
             }
-    vanilla = {r["round"]: r for r in by_side.get("vanilla_rounds", [])}
+
+    def pair_key(run: dict) -> tuple[int, int]:
+        return run["round"], run.get("wave", 0)
+
+    vanilla = {pair_key(r): r for r in by_side.get("vanilla_rounds", [])}
     for side in sides[1:]:
-        pairs = [(vanilla[k["round"]], k) for k in by_side.get(f"{side}_rounds", []) if k["round"] in vanilla]
-        ratios = {m: [k[m] / v[m] for v, k in pairs if v.get(m) and k.get(m)] for m in SERVE_METRICS}
+        pairs = [(vanilla[pair_key(k)], k) for k in by_side.get(f"{side}_rounds", []) if pair_key(k) in vanilla]
+        ratios = {
+            m: [serve_figure(k, m) / serve_figure(v, m) for v, k in pairs if serve_figure(v, m) and serve_figure(k, m)]
+            for m in SERVE_METRICS
+        }
         by_side[f"ratio_{side}"] = {m: median_of(r) for m, r in ratios.items()}
         by_side[f"ratio_range_{side}"] = {m: [min(r), max(r)] if r else None for m, r in ratios.items()}
 
