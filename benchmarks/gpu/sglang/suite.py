@@ -51,6 +51,10 @@ class SGLangServer(harness.Server):
 
     ENGINE_PROCESS = "sglang::scheduler"  # SGLang retitles its scheduler process so
 
+    @staticmethod
+    def memory_flags(fraction: str) -> list[str]:
+        return ["--mem-fraction-static", fraction]
+
     def command(self, model: str, extra: list[str]) -> list[str]:
         return [
             sys.executable,
@@ -185,6 +189,7 @@ def phase_mixed(args: argparse.Namespace) -> dict:
 
 PHASES = {
     "serve": harness.phase_serve,
+    "serve-ab": harness.phase_serve_ab,
     "burst": harness.phase_burst,
     "pools": phase_pools,
     "release": phase_release,
@@ -195,7 +200,9 @@ PHASES = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "phases", nargs="+", choices=["model", "offline", "identity", "serve", "burst", "pools", "release", "mixed"]
+        "phases",
+        nargs="+",
+        choices=["model", "offline", "identity", "serve", "serve-ab", "burst", "pools", "release", "mixed"],
     )
     parser.add_argument("--out", required=True, help="folder for JSON and logs")
     parser.add_argument("--model", help="model directory (default: made here, Llama-3-8B's KV shape)")
@@ -228,7 +235,7 @@ def main() -> int:
             elif phase == "identity":  # writes identity.json itself, after every engine
                 harness.alternate_engines(args, "identity", ["--throughput-prompts", "0"])
             else:
-                harness.write(args.out, phase, PHASES[phase](args))
+                harness.write(args.out, phase.replace("-", "_"), PHASES[phase](args))
         except Exception as exc:  # one phase failing must not lose the others' results
             harness.log(f"{phase} failed: {type(exc).__name__}: {exc}")
             harness.write(args.out, f"{phase}_error", {"error": f"{type(exc).__name__}: {exc}"})

@@ -5,15 +5,15 @@
 #
 #   bash benchmarks/gpu/vllm/run.sh OUT_DIR GPUS:PHASE[,PHASE...] [GPUS:PHASE[,PHASE...] ...]
 #
-#   phases: core probe tests offline identity backstop serve burst share share3 limit tp     (tp needs two GPUs: 0,1:tp)
+#   phases: core probe tests offline identity backstop serve serve-ab burst share share3 limit tp   (tp: 0,1:tp)
 #   e.g.    run.sh $OUT 0:tests,offline 1:share,share3    then    run.sh $OUT 0:serve 1:limit    then 0,1:tp
 #
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
 # summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
 # full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
 # packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached; `peer` builds and runs
-# the peer project too) picks the engines of offline, serve and burst; KVCACHED_BENCH_ROUNDS (default 1) runs
-# offline's and serve's that many times, alternating. A failing phase does not stop the others; exit status
+# the peer project too) picks the engines of offline, serve, serve-ab and burst; KVCACHED_BENCH_ROUNDS (default 1)
+# runs offline's and serve's that many times, alternating (serve-ab: at least 4). A failing phase does not stop the others; exit status
 # 1 if any failed.
 #
 # KVCACHED_BENCH_ENGINE=sglang (what benchmarks/gpu/sglang/run.sh sets) runs the SGLang harness instead:

@@ -330,6 +330,11 @@ class Server:
     # What the process that schedules and runs the model has in its command line (vLLM retitles it so).
     ENGINE_PROCESS = "EngineCore"
 
+    @staticmethod
+    def memory_flags(fraction: str) -> list[str]:
+        """The flags that give the server ``fraction`` of the GPU's memory."""
+        return ["--gpu-memory-utilization", fraction]
+
     def __init__(
         self,
         name: str,
@@ -710,7 +715,10 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 for rate, n, seed, waves in SERVE_RATES:
                     key = "inf" if rate == float("inf") else str(int(rate))
                     for wave in range(waves):
-                        stats = serve_rate(server, side, kvcached, rate, n, seed + 100 * wave, args.out, round_, wave)
+                        profile = rate == float("inf") and wave == 1
+                        stats = serve_rate(
+                            server, side, kvcached, rate, n, seed + 100 * wave, args.out, round_, wave, profile
+                        )
                         result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
                         log(
                             f"serve {side} rate {key} wave {wave + 1}: ttft p50 {stats['ttft_p50']} tpot p50 "
@@ -722,15 +730,71 @@ def phase_serve(args: argparse.Namespace) -> dict:
     return result
 
 
+SERVE_AB_ROUNDS = 4
+
+
+def phase_serve_ab(args: argparse.Namespace) -> dict:
+    """Serving latency with every side's server up at once on one GPU, each given an equal share of it
+    (:meth:`Server.memory_flags`), and every rate sent to them in turn: at each of :data:`SERVE_RATES`,
+    ``--rounds`` rounds, each sending the same new prompts to every side, one side after the other, the
+    order reversed every other round (at least :data:`SERVE_AB_ROUNDS`: a pair per round, and fewer pairs
+    show no spread). ``serve`` compares servers started minutes apart, and one server's
+    figures swing by 1.6x between starts on the lent H200 (``benchmarks/results/h200-vllm/`` runs 16-17);
+    here a pair is measured seconds apart on servers that stay up, so what moves the machine moves both.
+    Each round is one of ``serve``'s rates (:func:`serve_rate`, the engine's figures included), paired with
+    vanilla's of the same round by :func:`summarise_rounds`; the second saturation round is profiled
+    where ``KVCACHED_BENCH_PYSPY`` asks for it. The idle servers stay up while one is measured, as they
+    would on a shared GPU (a kvcached one may unmap what it freed meanwhile: its driver calls are counted)."""
+    share, rounds = f"{0.9 / len(args.sides):.2f}", max(args.rounds, SERVE_AB_ROUNDS)
+    result: dict = {"input_len": 512, "output_len": 128, "rounds": rounds, "memory_share": float(share)}
+    result["rates"] = {}
+    wait_for_empty_gpus()
+    servers: list[Server] = []
+    with serving(servers, result):
+        for i, (side, kvcached, env) in enumerate(args.sides):
+            flags = args.server.memory_flags(share)
+            servers.append(args.server(f"serve-{side}", 8100 + i, args.model, kvcached, args.out, flags, args.gpu, env))
+            # one at a time: each start-up's memory check sees the servers before it settled
+            result.setdefault(f"startup_s_{side}", []).append(servers[-1].wait_ready())
+            asyncio.run(open_loop(servers[-1].port, servers[-1].name, token_prompts(32, 512, 1), 8.0, 16))  # warm
+        log(f"serve-ab: {len(servers)} servers up, {share} of the GPU each")
+        for rate, n, seed, _ in SERVE_RATES:
+            key = "inf" if rate == float("inf") else str(int(rate))
+            for round_ in range(rounds):
+                for server, (side, kvcached, _) in round_order(list(zip(servers, args.sides, strict=True)), round_):
+                    profile = rate == float("inf") and round_ == 1
+                    stats = serve_rate(
+                        server, side, kvcached, rate, n, seed + 100 * round_, args.out, round_, 0, profile
+                    )
+                    result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
+                    log(
+                        f"serve-ab {side} rate {key} round {round_ + 1}: tpot p50 {stats['tpot_p50']} "
+                        f"req/s {stats['request_throughput']} engine {stats.get('engine')}"
+                    )
+                write(args.out, "serve_ab", result)
+    for by_side in result["rates"].values():
+        summarise_rounds(by_side, [side for side, _, _ in args.sides])
+    return result
+
+
 def serve_rate(
-    server: Server, side: str, kvcached: bool, rate: float, n: int, seed: int, out: str, round_: int, wave: int
+    server: Server,
+    side: str,
+    kvcached: bool,
+    rate: float,
+    n: int,
+    seed: int,
+    out: str,
+    round_: int,
+    wave: int,
+    profile: bool = False,
 ) -> dict:
     """One rate (or wave) of ``serve`` on a running server: the client's figures with vLLM's counters,
-    kvcached's driver calls and the processes' CPU around it; the second saturation wave is profiled where
-    ``KVCACHED_BENCH_PYSPY`` asks for it."""
+    kvcached's driver calls and the processes' CPU around it; with ``profile``, both processes profiled
+    where ``KVCACHED_BENCH_PYSPY`` asks for it."""
     before, counters = driver_calls(server.name), server.metrics(*SERVE_COUNTERS)
     cpu, begin = cpu_seconds(server.proc.pid, server.ENGINE_PROCESS), time.monotonic()
-    profiles = profile_server(server, f"{side}-{round_ + 1}", out) if rate == float("inf") and wave == 1 else []
+    profiles = profile_server(server, f"{side}-{round_ + 1}", out) if profile else []
     stats = asyncio.run(open_loop(server.port, server.name, token_prompts(n, 512, seed), rate, 128))
     wall_s, cpu_after = time.monotonic() - begin, cpu_seconds(server.proc.pid, server.ENGINE_PROCESS)
     for profile in profiles:
@@ -1121,6 +1185,7 @@ def main() -> int:
         "identity",
         "backstop",
         "serve",
+        "serve-ab",
         "burst",
         "share",
         "share3",
@@ -1159,6 +1224,8 @@ def main() -> int:
                 phase_offline(args, tp=2)
             elif phase == "serve":
                 write(args.out, "serve", phase_serve(args))
+            elif phase == "serve-ab":
+                write(args.out, "serve_ab", phase_serve_ab(args))
             elif phase == "burst":
                 write(args.out, "burst", phase_burst(args))
             elif phase == "share":

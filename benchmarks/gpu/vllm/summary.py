@@ -35,6 +35,11 @@ def strip(value):
     return value
 
 
+def brief(phase: dict) -> dict:
+    """What the short table shows of a phase (or of one rate of a serving phase)."""
+    return {k: v for k, v in phase.items() if k in BRIEF or k.startswith(BRIEF_PREFIXES)}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not os.path.isdir(argv[0]):
         print("usage: summary.py WORK_DIR (a folder with the phases' JSON)", file=sys.stderr)
@@ -49,8 +54,9 @@ def main(argv: list[str]) -> int:
     print(json.dumps(summary, indent=1))
     for name, phase in summary.items():
         if isinstance(phase, dict):
-            brief = {k: v for k, v in phase.items() if k in BRIEF or k.startswith(BRIEF_PREFIXES)}
-            print(f"{name}: {json.dumps(brief)[:600]}", file=sys.stderr)
+            print(f"{name}: {json.dumps(brief(phase))[:600]}", file=sys.stderr)
+            for rate, by_side in phase.get("rates", {}).items():  # serve's and serve-ab's ratios, per rate
+                print(f"{name} {rate}: {json.dumps(brief(by_side))[:600]}", file=sys.stderr)
     return 0
 
 
