@@ -211,3 +211,33 @@ def test_serve_pairs_each_wave_with_vanillas_same_round_and_wave():
     assert by_side["ratio_range_kvcached"]["engine_itl_ms"] == [1.0, 2.0]
     assert by_side["kvcached"]["engine_itl_ms"] == 47.5 and by_side["vanilla"]["engine_itl_ms"] == 40
     assert by_side["ratio_kvcached"]["ttft_p50"] is None  # not recorded: no ratio rather than an error
+
+
+def test_host_cpu_seconds_sees_this_process_burn():
+    """The whole machine's busy CPU from /proc/stat grows by at least what this process burns."""
+    before = suite.host_cpu_seconds()
+    end = time.process_time() + 0.5
+    while time.process_time() < end:
+        pass
+    after = suite.host_cpu_seconds()
+    assert after["busy"] - before["busy"] >= 0.45
+    assert after["steal"] >= before["steal"] >= 0
+
+
+def test_gpu_clocks_summarises_what_nvidia_smi_printed(tmp_path, monkeypatch):
+    """``nvidia-smi`` is a script here (no GPU): it prints what the real one prints with ``-lms``, a row
+    per sample, ``[N/A]`` where a figure is missing, until it is stopped; without it there is nothing."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert suite.GpuClocks().stop() == {}
+    fake = tmp_path / "nvidia-smi"
+    rows = ["1980, 350.5, 41, 0x0000000000000000", "1755, 690.0, 48, 0x0000000000000004", "[N/A], [N/A], 47, 0x0"]
+    body = "".join(f"echo '{row}'\n" for row in rows)
+    fake.write_text(f"#!/bin/sh\n{body}echo '1980, 700.0, 49, 0x0000000000000004'\necho '19'\nexec sleep 60\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    clocks = suite.GpuClocks()
+    time.sleep(0.5)
+    seen = clocks.stop()
+    assert seen["samples"] == 3 and seen["sm_mhz_p50"] == 1980 and seen["sm_mhz_min"] == 1755
+    assert seen["power_w_p50"] == 690.0 and seen["temperature_c_max"] == 49
+    assert seen["clock_events"] == ["0x0000000000000000", "0x0000000000000004"]
