@@ -14,6 +14,7 @@ from kvcached_core.patches import (
     check_report,
     for_release,
     for_version,
+    install,
     load_checked,
     verify,
 )
@@ -174,6 +175,47 @@ def test_the_core_logs_where_the_engine_logs(core_logger):
         target.removeHandler(engine)
     assert engine.messages == ["kvcached: yielding down to an equal share"]
     assert root.messages == []
+
+
+def test_a_wrap_unit_installs_the_replacement_its_hook_returns_and_is_checked_like_around(monkeypatch):
+    """A ``wrap`` hook gets the original once and returns the method that replaces it, which the engine's
+    calls then reach directly (a class's method in a module made here stands in for the engine's); its
+    parameters are checked against the target's at load, as an ``around`` hook's are."""
+    import sys
+    import types
+
+    engine = types.ModuleType("fake_engine")
+
+    class Manager:
+        def allocate(self, request, tokens, *, lookahead=0):
+            return ("allocated", request, tokens, lookahead)
+
+    engine.Manager = Manager
+    monkeypatch.setitem(sys.modules, "fake_engine", engine)
+    seen = []
+
+    def counting(original):
+        def allocate(manager, *args, **kwargs):
+            seen.append(kwargs)
+            return original(manager, *args, **kwargs)
+
+        return allocate
+
+    def positional_only(original):
+        def allocate(manager, request, tokens):
+            return original(manager, request, tokens)
+
+        return allocate
+
+    wrap = Patch("allocate", "fake_engine.Manager.allocate", "wrap", counting, "test")
+    verify([wrap], "engine", "9.9")
+    with pytest.raises(PluginLoadError, match=r"changed the parameters of fake_engine\.Manager\.allocate .*lookahead"):
+        verify([Patch("allocate", "fake_engine.Manager.allocate", "wrap", positional_only, "test")], "e", "9.9")
+    original = Manager.allocate
+    install(wrap)
+    assert Manager().allocate("r", 16, lookahead=2) == ("allocated", "r", 16, 2) and seen == [{"lookahead": 2}]
+    assert Manager.allocate.__wrapped__ is original and Manager.allocate.__kvcached_patch__ == "allocate"
+    assert Manager.allocate.__name__ == "allocate"
 
 
 def test_an_alias_checks_out_only_where_it_binds_the_target_itself():

@@ -21,16 +21,24 @@ import statistics
 import sys
 import time
 
+import vllm
 from vllm.v1.core import block_pool as vanilla_module
 
 from kvcached_core import KVCacheManager
+from kvcached_core.patches import for_release
 from kvcached_vllm import runtime
-from kvcached_vllm.block_pool import ElasticBlockPool
+from kvcached_vllm.patches import PATCHES
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import write_report  # noqa: E402
 
 NUM_BLOCKS = 8193
+
+
+def elastic_pool_class() -> type:
+    """The elastic pool the plugin installs for this vLLM release (block reuse watchers came in 0.30)."""
+    [pool] = [p.hook for p in for_release(PATCHES, vllm.__version__) if p.name == "block-pool"]
+    return pool
 
 
 def time_pair(pool, k: int, iterations: int) -> float:
@@ -100,7 +108,7 @@ def main() -> None:
     runtime.add_planner(NUM_BLOCKS, planner)
     pools = {
         "vllm": vanilla_module.BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16),
-        "kvcached": ElasticBlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16),
+        "kvcached": elastic_pool_class()(NUM_BLOCKS, enable_caching=True, hash_block_size=16),
     }
     results: dict = {"machine": platform.processor() or platform.machine(), "num_blocks": NUM_BLOCKS}
     for k in (1, 4, 16):

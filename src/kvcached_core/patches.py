@@ -101,8 +101,11 @@ class EngineSupport:
 class Patch:
     """One named change to one engine symbol.
 
-    ``target`` is the dotted path of the symbol replaced or wrapped; ``kind`` says how (``"replace"``, or
-    ``"around"``: ``hook(original, *args, **kwargs)``; an engine's own hook registry may know more kinds);
+    ``target`` is the dotted path of the symbol replaced or wrapped; ``kind`` says how (``"replace"``;
+    ``"around"``: ``hook(original, *args, **kwargs)``; ``"wrap"``: ``hook(original)`` returns the
+    replacement, which calls ``original`` itself: one call frame and one pass of the arguments where
+    ``"around"`` takes two, for hooks an engine calls per request and step; an engine's own hook registry
+    may know more kinds);
     ``hook`` is what goes in; ``why`` is one line for the docs and the check. ``aliases`` names the modules
     that copied the target with ``from module import name``: :func:`install` rebinds those too. ``releases``
     says which engine releases the unit is for; a symbol that changed between releases gets one unit per range.
@@ -155,6 +158,9 @@ def install(patch: Patch) -> None:
             return hook(original, *args, **kwargs)
 
         new.__kvcached_patch__ = patch.name
+    elif patch.kind == "wrap":
+        new = functools.wraps(original)(patch.hook(original))
+        new.__kvcached_patch__ = patch.name
     else:
         raise ValueError(f"patch {patch.name}: unknown kind {patch.kind!r}")
     for holder in (owner, *aliases):
@@ -189,17 +195,20 @@ def parameter_mismatches(patch: Patch) -> list[str]:
 
 def around_mismatch(patch: Patch, target: inspect.Signature | None = None) -> str | None:
     """Why ``patch``'s hook could not take a call of its target, or None: an ``around`` hook gets the original
-    and then every argument the engine passes, so each parameter of the target must bind to the hook (a
-    release that adds one would otherwise fail at its first call, not at load). ``target``: the target's
-    signature where it is known without importing it (read from a release's sources)."""
-    if patch.kind != "around" or patch.hook is None:
+    and then every argument the engine passes (a ``wrap`` hook's replacement, every argument), so each
+    parameter of the target must bind to the hook (a release that adds one would otherwise fail at its first
+    call, not at load). ``target``: the target's signature where it is known without importing it (read
+    from a release's sources)."""
+    if patch.kind not in ("around", "wrap") or patch.hook is None:
         return None
     try:
         target = target or inspect.signature(pkgutil.resolve_name(patch.target))
-        hook = inspect.signature(patch.hook)
+        # a wrap hook's replacement only closes over the original: made with None, it shows its parameters
+        hook = inspect.signature(patch.hook(None) if patch.kind == "wrap" else patch.hook)
     except (TypeError, ValueError):  # a builtin without a signature: nothing to compare
         return None
-    return None if _takes(hook, target, leading=1) else f"now {target}, the hook takes {hook}"
+    leading = 0 if patch.kind == "wrap" else 1
+    return None if _takes(hook, target, leading=leading) else f"now {target}, the hook takes {hook}"
 
 
 MethodSignature = Callable[[str], "inspect.Signature | None"]

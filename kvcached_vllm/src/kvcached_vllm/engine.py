@@ -202,34 +202,43 @@ def elastic_kv_cache_configs(
     return configs
 
 
-def allocate_slots(original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND vLLM's ``KVCacheManager.allocate_slots``: its free-block check maps the blocks it then takes
-    (:meth:`ElasticBlockPool.get_num_free_blocks`); when the scheduler cannot get blocks because the device
-    is full, tell the other engines on it (they give back cached prefix blocks)."""
-    pool = manager.block_pool
-    if type(pool) not in ELASTIC_POOLS or pool._manager is None:
-        return original(manager, *args, **kwargs)
-    pool.begin_allocation()
-    try:
-        blocks = original(manager, *args, **kwargs)
-    finally:
-        pool.end_allocation()
-    if blocks is None:
-        watch = runtime.pressure_watch()
-        if watch is not None:
-            watch.report_shortfall()
-    return blocks
+def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+    """WRAPS vLLM's ``KVCacheManager.allocate_slots`` (called per request and step, hence a ``wrap`` unit):
+    its free-block check maps the blocks it then takes (:meth:`ElasticBlockPool.get_num_free_blocks`); when
+    the scheduler cannot get blocks because the device is full, tell the other engines on it (they give
+    back cached prefix blocks)."""
+
+    def allocate_slots(manager: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = manager.block_pool
+        if type(pool) not in ELASTIC_POOLS or pool._manager is None:
+            return original(manager, *args, **kwargs)
+        pool.begin_allocation()
+        try:
+            blocks = original(manager, *args, **kwargs)
+        finally:
+            pool.end_allocation()
+        if blocks is None:
+            watch = runtime.pressure_watch()
+            if watch is not None:
+                watch.report_shortfall()
+        return blocks
+
+    return allocate_slots
 
 
-def plan_blocks(original: Callable[..., Any], coordinator: Any, *args: Any, **kwargs: Any) -> int:
-    """AROUND ``KVCacheCoordinator.get_num_blocks_to_allocate``: the elastic pool learns how many blocks
-    ``allocate_slots`` is about to check for and take."""
-    num_blocks = original(coordinator, *args, **kwargs)
-    if num_blocks:  # none to take: nothing to map first
-        pool = coordinator.block_pool
-        if type(pool) in ELASTIC_POOLS:
-            pool.plan(num_blocks)
-    return num_blocks
+def plan_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    """WRAPS ``KVCacheCoordinator.get_num_blocks_to_allocate`` (per request and step, a ``wrap`` unit): the
+    elastic pool learns how many blocks ``allocate_slots`` is about to check for and take."""
+
+    def get_num_blocks_to_allocate(coordinator: Any, *args: Any, **kwargs: Any) -> int:
+        num_blocks = original(coordinator, *args, **kwargs)
+        if num_blocks:  # none to take: nothing to map first
+            pool = coordinator.block_pool
+            if type(pool) in ELASTIC_POOLS:
+                pool.plan(num_blocks)
+        return num_blocks
+
+    return get_num_blocks_to_allocate
 
 
 def scheduler_turn(original: Callable[..., Any], engine: Any, *args: Any, **kwargs: Any) -> Any:

@@ -206,7 +206,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "allocate-slots",
         "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
-        "around",
+        "wrap",
         allocate_slots,
         "the scheduler's last check maps the blocks it then takes; one short of device memory tells the "
         "other engines there",
@@ -215,7 +215,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "planned-blocks",
         "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate",
-        "around",
+        "wrap",
         plan_blocks,
         "the block pool learns how many blocks allocate_slots checks for and then takes",
         releases=ALL,
