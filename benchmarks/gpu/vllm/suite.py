@@ -769,17 +769,12 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 log(f"serve {side} up (round {round_ + 1} of {args.rounds})")
                 asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
                 for rate, n, seed, waves in SERVE_RATES:
-                    key = "inf" if rate == float("inf") else str(int(rate))
                     for wave in range(waves):
                         profile = rate == float("inf") and wave == 1
                         stats = serve_rate(
                             server, side, kvcached, rate, n, seed + 100 * wave, args.out, round_, wave, profile
                         )
-                        result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
-                        log(
-                            f"serve {side} rate {key} wave {wave + 1}: ttft p50 {stats['ttft_p50']} tpot p50 "
-                            f"{stats['tpot_p50']} engine {stats.get('engine')}"
-                        )
+                        keep_rate(result, side, stats, f"serve {side} rate {rate} wave {wave + 1}")
             write(args.out, "serve", result)
     for by_side in result["rates"].values():
         summarise_rounds(by_side, [side for side, _, _ in args.sides])
@@ -815,22 +810,27 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
             asyncio.run(open_loop(servers[-1].port, servers[-1].name, token_prompts(32, 512, 1), 8.0, 16))  # warm
         log(f"serve-ab: {len(servers)} servers up, {share} of the GPU each")
         for rate, n, seed, _ in SERVE_RATES:
-            key = "inf" if rate == float("inf") else str(int(rate))
             for round_ in range(rounds):
                 for server, (side, kvcached, _) in round_order(list(zip(servers, args.sides, strict=True)), round_):
                     profile = rate == float("inf") and round_ == 1
                     stats = serve_rate(
                         server, side, kvcached, rate, n, seed + 100 * round_, args.out, round_, 0, profile
                     )
-                    result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
-                    log(
-                        f"serve-ab {side} rate {key} round {round_ + 1}: tpot p50 {stats['tpot_p50']} "
-                        f"req/s {stats['request_throughput']} engine {stats.get('engine')}"
-                    )
+                    keep_rate(result, side, stats, f"serve-ab {side} rate {rate} round {round_ + 1}")
                 write(args.out, "serve_ab", result)
     for by_side in result["rates"].values():
         summarise_rounds(by_side, [side for side, _, _ in args.sides])
     return result
+
+
+def keep_rate(result: dict, side: str, stats: dict, label: str) -> None:
+    """One rate's (or wave's) figures into ``result["rates"][rate]["<side>_rounds"]``, and a log line."""
+    key = "inf" if stats["rate"] == "inf" else str(int(stats["rate"]))
+    result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
+    log(
+        f"{label}: ttft p50 {stats['ttft_p50']} tpot p50 {stats['tpot_p50']} req/s {stats['request_throughput']} "
+        f"engine {stats.get('engine')}"
+    )
 
 
 def serve_rate(
