@@ -789,9 +789,9 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
     (:meth:`Server.memory_flags`), and every rate sent to them in turn: at each of :data:`SERVE_RATES`,
     ``--rounds`` rounds, each sending the same new prompts to every side, one side after the other, the
     order reversed every other round (at least :data:`SERVE_AB_ROUNDS`: a pair per round, and fewer pairs
-    show no spread). ``serve`` compares servers started minutes apart, and one server's
-    figures swing by 1.6x between starts on the lent H200 (``benchmarks/results/h200-vllm/`` runs 16-17);
-    here a pair is measured seconds apart on servers that stay up, so what moves the machine moves both.
+    show no spread). ``serve`` compares servers started minutes apart, and one server's figures swing by
+    1.6x between starts on the lent H200 (``benchmarks/results/h200-vllm/`` runs 16-17); here a pair is
+    measured seconds apart on servers that stay up, so what moves the machine moves both.
     Each round is one of ``serve``'s rates (:func:`serve_rate`, the engine's figures included), paired with
     vanilla's of the same round by :func:`summarise_rounds`; the second saturation round is profiled
     where ``KVCACHED_BENCH_PYSPY`` asks for it. The idle servers stay up while one is measured, as they
