@@ -171,7 +171,7 @@ bool ControlSegment::file_intact() const noexcept {
   return lstat(path_.c_str(), &st) == 0 && st.st_ino == inode_ && S_ISREG(st.st_mode);
 }
 
-void ControlSegment::recreate() noexcept {
+bool ControlSegment::recreate() noexcept {
   try {
     SegmentLayout* fresh = create_file();
     // The old file's revisions are gone with it; the allocator still knows the limit it applies.
@@ -183,8 +183,10 @@ void ControlSegment::recreate() noexcept {
     // Another thread may still be publishing into the old mapping: private pages take its place (never
     // unmapped, one page), so whatever becomes of the old file cannot fault that thread.
     mmap(old, sizeof(SegmentLayout), PROT_READ | PROT_WRITE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return true;
   } catch (const std::exception&) {
     // The directory is gone or a directory sits at path_: keep publishing where we do; retried later.
+    return false;
   }
 }
 
@@ -261,8 +263,10 @@ void ControlSegment::run(std::uint32_t seen) {
     if (stop_.load(std::memory_order_acquire)) break;
     // Truncated (the guard saw it), removed or replaced by another process: write the file again.
     if (guard_->damaged() || (++turns % checks_every == 0 && !file_intact())) {
-      recreate();
-      seen = seg_.load(std::memory_order_acquire)->request_seq.load(std::memory_order_acquire);
+      // A fresh file's request_seq starts at 0, and kvctl may write a request into it as soon as it is in
+      // place, before recreate() returns: counting from 0 keeps that request new (reading the sequence now
+      // would take it as seen and lose the limit).
+      if (recreate()) seen = 0;
       continue;
     }
     const std::uint32_t now = seg->request_seq.load(std::memory_order_acquire);

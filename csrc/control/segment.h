@@ -54,8 +54,9 @@ class ControlSegment {
   void record_limit(const LimitResult& result) noexcept;
   // Builds the file under a temporary name, publishes once and renames it to path_; returns its mapping.
   SegmentLayout* create_file();
-  // The file was truncated, removed or replaced under us: write it again at path_.
-  void recreate() noexcept;
+  // The file was truncated, removed or replaced under us: write it again at path_. False where it could not
+  // be written (the old mapping stays; retried later).
+  bool recreate() noexcept;
   // Whether path_ is still the file we map (checked about once a second by the watcher).
   bool file_intact() const noexcept;
 
