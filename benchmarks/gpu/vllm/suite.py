@@ -857,8 +857,8 @@ def serve_rate(
     wall_s, cpu_after = time.monotonic() - begin, cpu_seconds(server.proc.pid, server.ENGINE_PROCESS)
     host_after, stats["gpu"] = host_cpu_seconds(), clocks.stop()
     stats["host"] = {f"{k}_cores": (host_after[k] - host[k]) / wall_s for k in host}
-    for profile in profiles:
-        profile.wait(60)
+    for recorder in profiles:
+        recorder.wait(60)
     stats["round"], stats["wave"] = round_, wave
     after, grew = driver_calls(server.name), counter_deltas(counters, server.metrics(*SERVE_COUNTERS))
     hits, queries, preemptions = (grew.get(k) for k in SERVE_COUNTERS[:3])
