@@ -213,6 +213,25 @@ def test_serve_pairs_each_wave_with_vanillas_same_round_and_wave():
     assert by_side["ratio_kvcached"]["ttft_p50"] is None  # not recorded: no ratio rather than an error
 
 
+def test_a_serve_file_written_mid_run_holds_the_pairs_finished_so_far(tmp_path):
+    """``serve`` and ``serve-ab`` rewrite their file after every rate or round; a run the budget cuts keeps
+    the ratios of the pairs it finished (run 18 lost them: they were computed only at the phase's end)."""
+    run = {"ok": 480, "failed": 0, "errors": [], "round": 0, "wave": 0}
+    result = {
+        "rates": {
+            "inf": {
+                "vanilla_rounds": [{**run, "request_throughput": 50.0}],
+                "kvcached_rounds": [{**run, "request_throughput": 55.0}, {**run, "round": 1, "request_throughput": 9}],
+            }
+        }
+    }
+    args = argparse.Namespace(out=str(tmp_path), sides=[("vanilla", False, None), ("kvcached", True, None)])
+    suite.write_serve(args, "serve_ab", result)
+    written = json.loads((tmp_path / "serve_ab.json").read_text())["rates"]["inf"]
+    assert written["ratio_kvcached"]["request_throughput"] == 1.1  # round 1 has no vanilla wave yet
+    assert written["kvcached"]["ok"] == 960
+
+
 def test_host_cpu_seconds_sees_this_process_burn():
     """The whole machine's busy CPU from /proc/stat grows by at least what this process burns."""
     before = suite.host_cpu_seconds()

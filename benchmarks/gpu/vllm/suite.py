@@ -365,12 +365,17 @@ class Server:
         self.started = time.monotonic()
 
     def command(self, model: str, extra: list[str]) -> list[str]:
+        # One Python API server bounds a saturation wave on the H200 (results run 18: ~1 core busy while
+        # EngineCore idled); KVCACHED_BENCH_API_SERVERS=N starts N of them the way `vllm serve` does.
+        api_servers = int(os.environ.get("KVCACHED_BENCH_API_SERVERS", "1"))
+        if api_servers > 1:
+            entry = ["vllm.entrypoints.cli.main", "serve", model, "--api-server-count", str(api_servers)]
+        else:
+            entry = ["vllm.entrypoints.openai.api_server", "--model", model]
         return [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
+            *entry,
             "--served-model-name",
             self.name,
             "--port",
@@ -775,9 +780,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
                             server, side, kvcached, rate, n, seed + 100 * wave, args.out, round_, wave, profile
                         )
                         keep_rate(result, side, stats, f"serve {side} rate {rate} wave {wave + 1}")
-            write(args.out, "serve", result)
-    for by_side in result["rates"].values():
-        summarise_rounds(by_side, [side for side, _, _ in args.sides])
+            write_serve(args, "serve", result)
     return result
 
 
@@ -791,7 +794,8 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
     order reversed every other round (at least :data:`SERVE_AB_ROUNDS`: a pair per round, and fewer pairs
     show no spread). ``serve`` compares servers started minutes apart, and one server's figures swing by
     1.6x between starts on the lent H200 (``benchmarks/results/h200-vllm/`` runs 16-17); here a pair is
-    measured seconds apart on servers that stay up, so what moves the machine moves both.
+    measured seconds apart on servers that stay up, so what moves the machine moves both. Each server
+    compiles its graphs into a cache of its own (none loads another's), so a pair differs in kvcached only.
     Each round is one of ``serve``'s rates (:func:`serve_rate`, the engine's figures included), paired with
     vanilla's of the same round by :func:`summarise_rounds`; the second saturation round is profiled
     where ``KVCACHED_BENCH_PYSPY`` asks for it. The idle servers stay up while one is measured, as they
@@ -804,6 +808,9 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
     with serving(servers, result):
         for i, (side, kvcached, env) in enumerate(args.sides):
             flags = args.server.memory_flags(share)
+            # A compile cache of its own, so every side compiles its graphs: the second of two servers
+            # sharing one loads the first's, and in run 18 that side's forward took twice the CPU samples.
+            env = {**(env or {}), "VLLM_CACHE_ROOT": tempfile.mkdtemp(prefix=f"vllm-cache-{side}-")}
             servers.append(args.server(f"serve-{side}", 8100 + i, args.model, kvcached, args.out, flags, args.gpu, env))
             # one at a time: each start-up's memory check sees the servers before it settled
             result.setdefault(f"startup_s_{side}", []).append(servers[-1].wait_ready())
@@ -817,10 +824,16 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
                         server, side, kvcached, rate, n, seed + 100 * round_, args.out, round_, 0, profile
                     )
                     keep_rate(result, side, stats, f"serve-ab {side} rate {rate} round {round_ + 1}")
-                write(args.out, "serve_ab", result)
+                write_serve(args, "serve_ab", result)
+    return result
+
+
+def write_serve(args: argparse.Namespace, name: str, result: dict) -> None:
+    """Every rate's summary and ratios so far (:func:`summarise_rounds`), then the file: a run that the
+    budget cuts keeps the pairs it finished."""
     for by_side in result["rates"].values():
         summarise_rounds(by_side, [side for side, _, _ in args.sides])
-    return result
+    write(args.out, name, result)
 
 
 def keep_rate(result: dict, side: str, stats: dict, label: str) -> None:
