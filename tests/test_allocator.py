@@ -176,6 +176,29 @@ def test_pages_of_recent_demand_stay_mapped_then_go_after_a_quiet_window(make_ma
     assert time.monotonic() - quiet >= 0.18  # kept for at least one window
 
 
+def test_a_shorter_window_set_while_running_gives_back_what_the_longer_one_kept(make_manager):
+    """The demand window can change while the allocator runs (a policy lengthens it while the engine is alone
+    on its device): pages a one-minute window keeps go within two windows of a 50 ms one set later, and the
+    setter refuses a negative window without changing it."""
+    mgr = make_manager(reserved_pages=0, reclaim_delay_ms=60_000)
+    assert mgr.reclaim_delay_ms == 60_000
+    mgr.free(mgr.alloc(BLOCKS_PER_PAGE * 4))
+    time.sleep(0.3)
+    assert mgr.snapshot()["mapped_bytes"] == 4 * LOGICAL_PAGE  # the minute's window keeps them
+    with pytest.raises(ValueError, match="reclaim_delay_ms must not be negative"):
+        mgr.reclaim_delay_ms = -1
+    assert mgr.reclaim_delay_ms == 60_000
+    mgr.reclaim_delay_ms = 50
+    shortened = time.monotonic()
+    assert wait_for(lambda: mgr.snapshot()["mapped_bytes"] == 0, timeout=2.0)
+    assert time.monotonic() - shortened < 1.0
+    # And back: a longer window keeps what is freed next.
+    mgr.reclaim_delay_ms = 60_000
+    mgr.free(mgr.alloc(BLOCKS_PER_PAGE * 2))
+    time.sleep(0.3)
+    assert mgr.snapshot()["mapped_bytes"] == 2 * LOGICAL_PAGE
+
+
 def test_trim_keeps_pages_with_allocated_blocks(make_manager):
     mgr = make_manager(reserved_pages=10, reclaim_delay_ms=10_000)
     ids = mgr.alloc(BLOCKS_PER_PAGE * 3)

@@ -436,3 +436,67 @@ def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_pat
         mine.close()
         child.kill()
         child.wait()
+
+
+def test_an_engine_alone_on_its_device_holds_its_recent_demand_until_a_neighbour_appears(tmp_path, monkeypatch):
+    """``KVCACHED_IDLE_HOLD_MS``: while no other process holds a kvcached pool on the device, a process's
+    pools keep their recent demand mapped for the hold instead of their own (short) demand window; once a
+    neighbour publishes a pool there, the window is the pool's own again and the held pages go back; when
+    the neighbour is gone, the hold returns."""
+    from conftest import wait_for
+
+    from kvcached_core import KVCacheManager
+    from kvcached_core.pressure import PressureWatch
+
+    MiB = 1 << 20
+    for name, value in (("RUNTIME_DIR", str(tmp_path)), ("RECLAIM_DELAY_MS", "20"), ("IDLE_HOLD_MS", "60000")):
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    settings = load_settings()
+    mine = KVCacheManager(64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, name="mine", settings=settings)
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    child = None
+    try:
+        assert mine.demand_window_ms == 20
+        assert wait_for(lambda: mine.reclaim_delay_ms == 60000)  # alone: the hold
+        mine.free(mine.alloc(8))
+        time.sleep(0.5)  # 25 of its own windows
+        assert mine.snapshot()["mapped_bytes"] == 8 * MiB
+        child, _tell = start_neighbour()
+        appeared = time.monotonic()
+        assert wait_for(lambda: mine.reclaim_delay_ms == 20, timeout=3)
+        assert wait_for(lambda: mine.snapshot()["mapped_bytes"] == 0, timeout=3)
+        assert time.monotonic() - appeared < 2.5  # one look (a second) and two short windows
+        child.kill()
+        child.wait()
+        assert wait_for(lambda: mine.reclaim_delay_ms == 60000, timeout=3)  # its pool is gone with it
+    finally:
+        watch.close()
+        mine.close()
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_no_hold_when_it_is_off_or_shorter_than_the_pools_own_window(tmp_path, monkeypatch):
+    """``KVCACHED_IDLE_HOLD_MS=0`` leaves every window as configured; a pool whose own window is longer than
+    the hold keeps its own."""
+    from kvcached_core import KVCacheManager
+    from kvcached_core.idle_hold import IdleHold
+    from kvcached_core.pressure import PressureWatch
+
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    off = load_settings(idle_hold_ms=0, reclaim_delay_ms=20)
+    on = load_settings(idle_hold_ms=1000, reclaim_delay_ms=20)
+    short = KVCacheManager(64, 1 << 20, 1, 1, pool_target=0, name="short", settings=off)
+    long = KVCacheManager(64, 1 << 20, 1, 1, pool_target=0, name="long", reclaim_delay_ms=5000, settings=off)
+    try:
+        watch = PressureWatch(off, "cpu", has_spare=lambda: False)
+        assert watch.idle_hold is None
+        watch.close()
+        hold = IdleHold(on, "cpu")
+        hold.tick()
+        assert hold.alone
+        assert (short.reclaim_delay_ms, long.reclaim_delay_ms) == (1000, 5000)
+    finally:
+        short.close()
+        long.close()

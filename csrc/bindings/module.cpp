@@ -378,6 +378,10 @@ PYBIND11_MODULE(_native, m) {
           },
           "Bytes this allocator may map while it yields memory to a neighbour (None: no such cap); binds\n"
           "like the memory limit, which it leaves as set.")
+      .def_property("reclaim_delay_ms", &BlockAllocator::reclaim_delay_ms, &BlockAllocator::set_reclaim_delay_ms,
+                    "The demand window now: empty pages in use within the last one or two windows stay mapped.\n"
+                    "Settable while the allocator runs (a policy lengthens it while no neighbour could use the\n"
+                    "pages); a shorter window starts at once.")
       .def("assured_size", &BlockAllocator::assured_size,
            "Blocks alloc() can hand out from pages mapped now, within the memory limit: memory this process\n"
            "holds, which no other process can take (at most available_size()). Lock-free, no driver call.")

@@ -94,6 +94,7 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
     take_from_page(0, 1, null_block);  // pages map lowest first: this is page 0, block 0
     --total_blocks_;
   }
+  window_ms_.store(c.reclaim_delay_ms, std::memory_order_relaxed);
   reclaimer_ = std::thread([this] { reclaimer_loop(); });
 }
 
@@ -184,7 +185,7 @@ void BlockAllocator::note_demand(std::int64_t pages) noexcept {
 std::int64_t BlockAllocator::target_empty_pages() const noexcept {
   const std::int64_t used = used_pages_.load(std::memory_order_relaxed);
   // No window (reclaim_delay_ms = 0): only the reserve stays.
-  const std::int64_t recent = config_.reclaim_delay_ms == 0
+  const std::int64_t recent = window_ms_.load(std::memory_order_relaxed) == 0
                                   ? used
                                   : std::max(window_peak_.load(std::memory_order_relaxed),
                                              previous_window_peak_.load(std::memory_order_relaxed));
@@ -457,6 +458,16 @@ LimitResult BlockAllocator::set_memory_limit(std::uint64_t limit_bytes, std::opt
   return {used > limit_bytes ? LimitStatus::kDeferred : LimitStatus::kApplied, limit_bytes, rev};
 }
 
+void BlockAllocator::set_reclaim_delay_ms(std::int64_t ms) {
+  if (ms < 0) throw InvalidArgument("reclaim_delay_ms must not be negative");
+  if (window_ms_.exchange(ms, std::memory_order_relaxed) == ms) return;
+  {
+    std::lock_guard<std::mutex> lock(reclaim_mu_);  // the reclaimer reads the new window at its next turn
+    reclaim_requested_.store(true, std::memory_order_relaxed);
+  }
+  reclaim_cv_.notify_one();
+}
+
 void BlockAllocator::set_yield_cap(std::uint64_t bytes) {
   yield_bytes_.store(bytes, std::memory_order_relaxed);
   request_reclaim();  // empty pages above a lower cap go now
@@ -521,7 +532,7 @@ void BlockAllocator::map_ahead() {
       std::lock_guard<std::mutex> lock(mu_);
       const std::int64_t empty = empty_pages_.load(std::memory_order_relaxed);
       // Without a demand window only the reserve stays mapped: more would be unmapped right away.
-      const std::int64_t want = config_.reclaim_delay_ms == 0
+      const std::int64_t want = window_ms_.load(std::memory_order_relaxed) == 0
                                     ? std::min(config_.map_ahead_pages, config_.reserved_pages)
                                     : config_.map_ahead_pages;
       if (closed() || unmapped_.empty() || empty >= want ||
@@ -592,12 +603,12 @@ std::uint64_t BlockAllocator::reclaim(std::int64_t keep_empty) {
 
 void BlockAllocator::reclaimer_loop() {
   using namespace std::chrono;
-  const milliseconds window(config_.reclaim_delay_ms);
-  const milliseconds poll =
-      window.count() == 0 ? milliseconds(100) : std::clamp(window, milliseconds(1), milliseconds(100));
+  milliseconds window(window_ms_.load(std::memory_order_relaxed));
   auto window_end = steady_clock::now() + window;
   std::unique_lock<std::mutex> lock(reclaim_mu_);
   while (!stop_) {
+    const milliseconds poll =
+        window.count() == 0 ? milliseconds(100) : std::clamp(window, milliseconds(1), milliseconds(100));
     reclaim_cv_.wait_for(lock, poll, [this] { return stop_ || reclaim_requested_.load() || ahead_requested_.load(); });
     if (stop_) break;
     reclaim_requested_.store(false);
@@ -605,6 +616,13 @@ void BlockAllocator::reclaimer_loop() {
       lock.unlock();
       map_ahead();
       lock.lock();
+    }
+    const milliseconds now_window(window_ms_.load(std::memory_order_relaxed));
+    if (now_window != window) {
+      // A shorter window starts now (what was kept for the longer one goes within two of these); a longer
+      // one extends the current window.
+      window_end = now_window < window ? steady_clock::now() : window_end + (now_window - window);
+      window = now_window;
     }
     if (steady_clock::now() >= window_end) {
       // A new window: demand older than the previous window no longer keeps pages mapped.

@@ -101,6 +101,11 @@ class BlockAllocator {
   // the memory limit (the lower of the two does) but leaves the limit, and kvctl's view of it, as set.
   void set_yield_cap(std::uint64_t bytes);
   std::uint64_t yield_cap() const noexcept { return yield_bytes_.load(std::memory_order_relaxed); }
+  // Sets the demand window (AllocatorConfig::reclaim_delay_ms) from now on: a policy lengthens it while no
+  // other engine could use this allocator's idle pages and shortens it when one could. A shorter window
+  // starts at once, so pages kept for the long one go back within two of the new windows.
+  void set_reclaim_delay_ms(std::int64_t ms);
+  std::int64_t reclaim_delay_ms() const noexcept { return window_ms_.load(std::memory_order_relaxed); }
   // Unmaps every mapped page that holds no allocated block; returns the bytes unmapped.
   std::uint64_t trim();
   // Frees every allocated block (the null block stays reserved); pages are reclaimed as usual.
@@ -214,6 +219,7 @@ class BlockAllocator {
   // Most pages in use during the current and the previous reclaim window (rotated by the reclaimer).
   std::atomic<std::int64_t> window_peak_{0};
   std::atomic<std::int64_t> previous_window_peak_{0};
+  std::atomic<std::int64_t> window_ms_{0};  // the demand window now (config_.reclaim_delay_ms at start)
   std::atomic<std::uint64_t> limit_bytes_{kNoLimit};
   std::atomic<std::uint64_t> yield_bytes_{kNoLimit};
   std::atomic<std::uint64_t> limit_revision_{0};

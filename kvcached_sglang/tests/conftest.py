@@ -3,7 +3,8 @@
 
 The environment is fixed before SGLang or kvcached is imported: a private runtime directory (segments,
 host budget ledger), a 256 MiB host budget so exhaustion is reachable, immediate reclaim and no reserved
-pages so memory returns to the floor at once.
+pages so memory returns to the floor at once (no idle hold either: a test's pool is mostly alone on the
+host; the hold has its own tests in tests/test_coordination.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ TEST_ENV = {
     "KVCACHED_HOST_DEVICE_BYTES": "256M",
     "KVCACHED_RECLAIM_DELAY_MS": "0",
     "KVCACHED_RESERVED_PAGES": "0",
+    "KVCACHED_IDLE_HOLD_MS": "0",
 }
 os.environ.update(TEST_ENV)
 os.environ.pop("SGLANG_PLUGINS", None)

@@ -23,7 +23,9 @@ def runs(tiny_model) -> dict[str, dict]:
         "not-allowed": (BATCH, {"VLLM_PLUGINS": "lora_filesystem_resolver"}),
         "elastic-prefix": (
             (*BATCH, "--max-num-seqs", "24", "--prefix-caching", "--watch-idle", "4", "--name", "tiny-prefix"),
-            {"KVCACHED_PREFIX_CACHE_BYTES": "0"},
+            # The demand window alone (1 s): once its neighbour has finished this engine is alone on the host,
+            # and the idle hold (tests/test_coordination.py) would keep its memory for 30 s.
+            {"KVCACHED_PREFIX_CACHE_BYTES": "0", "KVCACHED_IDLE_HOLD_MS": "0"},
         ),
         "elastic-capped": ((*BATCH, "--max-num-seqs", "24", "--limit", "16M", "--name", "tiny-capped"), {}),
     }

@@ -83,6 +83,7 @@ class Settings:
     reserved_pages: int = 2
     map_ahead_pages: int = 0
     reclaim_delay_ms: int = 1000
+    idle_hold_ms: int = 30000
     pool_target: int = 4
     pool_max: int = 16
     zero_on_map: bool = False
@@ -124,6 +125,13 @@ SETTINGS: dict[str, Setting] = {
         _non_negative_int,
         "demand window: empty pages that were in use within the last one or two windows stay mapped "
         "(0 = keep only the reserve)",
+    ),
+    "idle_hold_ms": Setting(
+        "KVCACHED_IDLE_HOLD_MS",
+        _non_negative_int,
+        "an engine that no other kvcached engine on its device could yield to keeps its recent demand mapped "
+        "this long instead of the demand window, so a load that pauses does not map it all again; a neighbour "
+        "appearing shortens it back at once (0 = the demand window always)",
     ),
     "pool_target": Setting(
         "KVCACHED_POOL_TARGET",

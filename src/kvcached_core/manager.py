@@ -145,6 +145,9 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             return default if value is None else _int_in(name, value, 0, high)
 
         backend = planner_backend(self.device, s) if mapped_by_workers else get_backend(self.device, s)
+        # The configured window; a policy may lengthen the native one while the engine is alone on its device
+        # (kvcached_core.idle_hold) and sets it back to this.
+        self.demand_window_ms = pick(reclaim_delay_ms, s.reclaim_delay_ms, "reclaim_delay_ms")
         if mapped_by_workers:
             pool_target, pool_max = 0, 0  # a planner's handles are free tokens: nothing to create ahead
         super().__init__(
@@ -155,7 +158,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             page_bytes=pick(page_bytes, self._default_page_bytes(s), "page_bytes", MAX_BYTES),
             reserve_null_block=self.reserve_null_block,
             reserved_pages=pick(reserved_pages, s.reserved_pages, "reserved_pages"),
-            reclaim_delay_ms=pick(reclaim_delay_ms, s.reclaim_delay_ms, "reclaim_delay_ms"),
+            reclaim_delay_ms=self.demand_window_ms,
             pool_target=pick(pool_target, s.pool_target, "pool_target"),
             pool_max=pick(pool_max, s.pool_max, "pool_max"),
             zero_on_map=s.zero_on_map if zero_on_map is None else bool(zero_on_map),
@@ -261,7 +264,8 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
 
     def has_idle_pages(self) -> bool:
         """Whether pages that hold no allocated block are mapped (kept for the recent demand, for up to two
-        ``KVCACHED_RECLAIM_DELAY_MS`` windows): memory :meth:`trim` would give back now."""
+        demand windows: ``KVCACHED_RECLAIM_DELAY_MS``, or ``KVCACHED_IDLE_HOLD_MS`` while no other engine shares
+        the device): memory :meth:`trim` would give back now."""
         snap = self.snapshot()
         return snap["mapped_pages"] > snap["used_pages"]
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from .backends import host_device_label
 from .config import Settings
 from .fair_share import FairShare
+from .idle_hold import IdleHold
 from .runtime_dir import runtime_subdir
 
 logger = logging.getLogger("kvcached")
@@ -165,7 +166,9 @@ class PressureWatch:
     on the watcher thread would race the scheduler. :meth:`report_shortfall` tells the other engines when
     this one falls short itself. With ``KVCACHED_FAIR_SHARE`` the watcher thread also caps this process's
     pools while a neighbour is short (:class:`kvcached_core.fair_share.FairShare`; the caps are atomic, so
-    no scheduler thread is needed for them).
+    no scheduler thread is needed for them). With ``KVCACHED_IDLE_HOLD_MS`` it also keeps the engine's recent
+    demand mapped while no other kvcached engine shares the device (:class:`kvcached_core.idle_hold.IdleHold`;
+    the window is atomic too).
     """
 
     MIN_SIGNAL_INTERVAL_S = 0.05  # a scheduler retries every step: one signal per 50 ms is enough
@@ -181,6 +184,7 @@ class PressureWatch:
         self.pending = threading.Event()
         self._has_spare, self._wake = has_spare, wake
         self.fair_share = FairShare(settings, device) if settings.fair_share else None
+        self.idle_hold = IdleHold(settings, device) if settings.idle_hold_ms > 0 else None
         self._interval = settings.watch_interval_ms / 1000
         self._last_signal = 0.0
         self._stop = threading.Event()
@@ -199,6 +203,8 @@ class PressureWatch:
                         self._wake()
                 if self.fair_share is not None:
                     self.fair_share.tick()
+                if self.idle_hold is not None:
+                    self.idle_hold.tick()
             except Exception as exc:  # the watcher must outlive a bad read or a wake into a closing engine
                 logger.debug("kvcached: pressure watch: %s", exc)
 

@@ -128,7 +128,7 @@ if alive; then
   # Out of time: stop every engine and driver this run started (servers run in sessions of their own). The
   # patterns match those processes' command lines only: not the shell that started run.sh with its logs' names.
   echo "run.sh: budget of ${budget} s spent; stopping what still runs"
-  engines="benchmarks/gpu/[a-z]*/suite.py|offline_engine.py|vllm.entrypoints.openai.api_server|sglang.launch_server|-m pytest |VLLM::|sglang::"
+  engines="benchmarks/gpu/[a-z]*/suite.py|offline_engine.py|vllm.entrypoints.openai.api_server|vllm.entrypoints.cli.main|sglang.launch_server|-m pytest |VLLM::|sglang::"
   pkill -TERM -f -- "$engines"
   sleep 15
   pkill -KILL -f -- "$engines"
