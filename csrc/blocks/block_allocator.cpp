@@ -30,6 +30,7 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
   if (c.reserved_pages < 0 || c.map_ahead_pages < 0 || c.reclaim_delay_ms < 0 || c.pool_target < 0 || c.pool_max < 0)
     throw InvalidArgument(
         "reserved_pages, map_ahead_pages, reclaim_delay_ms, pool_target and pool_max must not be negative");
+  window_ms_.store(c.reclaim_delay_ms, std::memory_order_relaxed);
 
   const std::size_t gran = backend_->granularity();
   const auto block = static_cast<std::size_t>(c.block_bytes);
@@ -94,7 +95,6 @@ BlockAllocator::BlockAllocator(std::shared_ptr<MemoryBackend> backend, const All
     take_from_page(0, 1, null_block);  // pages map lowest first: this is page 0, block 0
     --total_blocks_;
   }
-  window_ms_.store(c.reclaim_delay_ms, std::memory_order_relaxed);
   reclaimer_ = std::thread([this] { reclaimer_loop(); });
 }
 
