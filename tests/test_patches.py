@@ -16,6 +16,7 @@ from kvcached_core.patches import (
     for_version,
     install,
     load_checked,
+    observed,
     verify,
 )
 
@@ -216,6 +217,47 @@ def test_a_wrap_unit_installs_the_replacement_its_hook_returns_and_is_checked_li
     assert Manager().allocate("r", 16, lookahead=2) == ("allocated", "r", 16, 2) and seen == [{"lookahead": 2}]
     assert Manager.allocate.__wrapped__ is original and Manager.allocate.__kvcached_patch__ == "allocate"
     assert Manager.allocate.__name__ == "allocate"
+
+
+def test_an_after_unit_keeps_the_targets_parameters_and_sees_each_result(monkeypatch):
+    """An ``after`` hook gets the call's first argument and the result once the target returned; the
+    replacement is made with the target's own parameters (names, kinds, defaults), so the engine's
+    positional, keyword, keyword-only, ``*args`` and ``**kwargs`` arguments reach the original as they came,
+    and a call the target refuses is refused the same way. An exception passes through, unobserved."""
+    import inspect
+    import sys
+    import types
+
+    engine = types.ModuleType("fake_engine_after")
+
+    class Coordinator:
+        def count(self, request, tokens=16, /, scale=1, *extra, cap=None, result="r", **options):
+            if tokens < 0:
+                raise ValueError("negative")
+            return (request, tokens, scale, extra, cap, result, options)
+
+    engine.Coordinator = Coordinator
+    monkeypatch.setitem(sys.modules, "fake_engine_after", engine)
+    seen = []
+    original = Coordinator.count
+    install(Patch("count", "fake_engine_after.Coordinator.count", "after", lambda c, r: seen.append((c, r)), "t"))
+    assert str(inspect.signature(Coordinator.count, follow_wrapped=False)) == str(inspect.signature(original))
+    assert Coordinator.count.__wrapped__ is original and Coordinator.count.__kvcached_patch__ == "count"
+    coordinator = Coordinator()
+    assert coordinator.count("a") == ("a", 16, 1, (), None, "r", {})
+    assert coordinator.count("b", 2, 3, 4, 5, cap=6, result=7, x=8) == ("b", 2, 3, (4, 5), 6, 7, {"x": 8})
+    assert seen == [(coordinator, ("a", 16, 1, (), None, "r", {})), (coordinator, ("b", 2, 3, (4, 5), 6, 7, {"x": 8}))]
+    with pytest.raises(TypeError):
+        coordinator.count(request="c")  # positional-only, as in the original
+    with pytest.raises(ValueError, match="negative"):
+        coordinator.count("d", -1)
+    assert len(seen) == 2
+    # a target with no first positional parameter (or no signature) gets the generic wrapper
+    calls = []
+    generic = observed(lambda *, a: a * 2, lambda first, result: calls.append((first, result)))
+    assert generic(a=1) == 2 and calls == [(None, 2)]
+    builtin = observed(max, lambda first, result: calls.append((first, result)))
+    assert builtin(3, 9) == 9 and calls == [(None, 2), (3, 9)]
 
 
 def test_an_alias_checks_out_only_where_it_binds_the_target_itself():

@@ -41,6 +41,9 @@ class ElasticBlockPool(BlockPool):
     blocks (the KV cache could not be made elastic) every method is vLLM's own.
     """
 
+    # 0.30 on, blocks carry their pool, and blocks of other pools can be freed through this one.
+    _blocks_know_their_pool = True
+
     def __init__(self, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(num_gpu_blocks, *args, **kwargs)
         self._manager: KVCacheManager | None = runtime.planner_for(num_gpu_blocks)
@@ -57,9 +60,12 @@ class ElasticBlockPool(BlockPool):
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
         self._in_use = 0  # blocks requests hold (ref_cnt > 0)
         self._count = SchedulerCount(self._manager)  # what vLLM's scheduler was last told is free
-        # Within vLLM's allocate_slots: the blocks it plans to take right after its next free-block check.
-        self._checking = False
-        self._planned = 0
+        # Set by the allocate-slots and planned-blocks units (attributes, not methods: vLLM's scheduler
+        # passes here per request and step): whether vLLM's allocate_slots is running, and the blocks it
+        # plans to take right after its next free-block check.
+        self.checking = False
+        self.planned = 0
+        self._available = self._manager.available_size if self._manager is not None else None
         if self._manager is not None:
             runtime.add_block_pool(self, self._manager.device)
 
@@ -72,36 +78,24 @@ class ElasticBlockPool(BlockPool):
         """Blocks the scheduler may plan on: what kvcached can serve now plus cached prefix blocks it may
         evict (later allocations are held to this count).
 
-        Right before an allocation (:meth:`begin_allocation`) the blocks vLLM is about to take are mapped
-        first, when this process does not hold them yet: the device's free memory is read at most 20 ms
-        apart and other engines may have used it since, and vLLM cannot take a refusal once it has checked.
-        If they cannot all be mapped, the count is what this process holds, and vLLM refuses the request
-        (it waits, or another of this engine's requests is preempted) instead of failing."""
+        Right before an allocation (``planned`` blocks, noted while ``checking``) the blocks vLLM is about
+        to take are mapped first, when this process does not hold them yet: the device's free memory is read
+        at most 20 ms apart and other engines may have used it since, and vLLM cannot take a refusal once it
+        has checked. If they cannot all be mapped, the count is what this process holds, and vLLM refuses
+        the request (it waits, or another of this engine's requests is preempted) instead of failing."""
         if self._manager is None:
             return super().get_num_free_blocks()
         cached = len(self._cached_free)
-        planned, self._planned = self._planned, 0
-        if planned and self._manager.assured_size() + cached < planned:
-            assured = self._manager.prepare(planned - cached) + cached
-            if assured < planned:
-                return self._count.report(assured)
-        return self._count.report(self._manager.available_size() + cached)
-
-    def begin_allocation(self) -> None:
-        """vLLM's ``allocate_slots`` starts: its next free-block check precedes an allocation."""
-        self._checking = True
-        self._planned = 0
-
-    def end_allocation(self) -> None:
-        """``allocate_slots`` returned or raised."""
-        self._checking = False
-        self._planned = 0
-
-    def plan(self, num_blocks: int) -> None:
-        """vLLM computed the blocks it will take if its next check passes (those it allocates and the cached
-        prefix blocks it revives); noted only within ``allocate_slots``."""
-        if self._checking:
-            self._planned = num_blocks
+        planned = self.planned
+        if planned:
+            self.planned = 0
+            if self.checking and self._manager.assured_size() + cached < planned:
+                assured = self._manager.prepare(planned - cached) + cached
+                if assured < planned:
+                    return self._count.report(assured)
+        available = self._available() + cached
+        self._count.counted = available  # SchedulerCount.report, inlined: once per request and step
+        return available
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """``num_blocks`` blocks from kvcached, evicting cached prefixes first when memory is short;
@@ -118,18 +112,26 @@ class ElasticBlockPool(BlockPool):
         if ids is None:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = [self.blocks[i] for i in ids]
-        for block in blocks:
-            self._held[block.block_id] = 1
-            self._mark_busy(block.block_id, 1)
-            self.free_block_queue.remove(block)
         self._notify_handed_out(blocks)
+        # One pass, bookkeeping inlined: this runs for every block the scheduler takes.
+        held, busy, idle_pages, per_page = self._held, self._busy, self._idle_pages, self._blocks_per_page
+        remove = self.free_block_queue.remove
+        caching, collector = self.enable_caching, self.metrics_collector
         for block in blocks:
-            if self.enable_caching:
+            block_id = block.block_id
+            held[block_id] = 1
+            page = block_id // per_page
+            busy[page] += 1
+            if busy[page] == 1 and idle_pages:  # a block of the page is in use again: the page is not idle
+                idle_pages.pop(page, None)
+            remove(block)
+            if caching and (collector or block.block_hash is not None):
                 self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0
             block.ref_cnt += 1
-            if self.metrics_collector:
-                self.metrics_collector.on_block_allocated(block)
+            if collector:
+                collector.on_block_allocated(block)
+        self._in_use += len(blocks)
         return blocks
 
     @staticmethod
@@ -156,14 +158,26 @@ class ElasticBlockPool(BlockPool):
         ordered_blocks = list(ordered_blocks)
         super().free_blocks(ordered_blocks)
         released = []
+        freed = 0
+        held, busy, idle_pages, per_page = self._held, self._busy, self._idle_pages, self._blocks_per_page
+        cached_free, cached_by_page = self._cached_free, self._cached_by_page
+        caching, check_owner = self.enable_caching, self._blocks_know_their_pool
         for block in ordered_blocks:
-            if not self._owns(block) or block.ref_cnt or block.is_null or not self._held[block.block_id]:
+            block_id = block.block_id
+            # Another pool's, still referenced, or never held (the null block): not ours to give back.
+            if (check_owner and block.pool is not self) or block.ref_cnt or not held[block_id]:
                 continue
-            self._mark_busy(block.block_id, -1)
-            if self.enable_caching and block.block_hash is not None:
-                self._remember_cached(block.block_id)
+            page = block_id // per_page
+            busy[page] -= 1
+            freed += 1
+            if caching and block.block_hash is not None:
+                cached_free[block_id] = None
+                cached_by_page.setdefault(page, {})[block_id] = None
             else:
-                released.append(block.block_id)
+                released.append(block_id)
+            if busy[page] == 0 and page in cached_by_page:  # only cached-free blocks left: an idle page
+                idle_pages.setdefault(page, None)
+        self._in_use -= freed
         self._release(released)
         excess = len(self._cached_free) - self._prefix_budget
         if excess > 0 and not self._in_use:
@@ -213,10 +227,6 @@ class ElasticBlockPool(BlockPool):
     def physically_short(self) -> bool:
         """Whether the device, not this engine's limit or virtual capacity, stops it handing out more blocks."""
         return self._manager is not None and self._manager.physically_short()
-
-    def _owns(self, block: KVCacheBlock) -> bool:
-        """Whether ``block`` belongs to this pool (0.30 on: blocks of other pools can be freed through it)."""
-        return block.pool is self
 
     def _notify_handed_out(self, blocks: list[KVCacheBlock]) -> None:
         """Tell vLLM's reuse watchers (0.30 on) that these blocks were handed out again."""
@@ -297,8 +307,7 @@ class ElasticBlockPoolBeforeReuseWatchers(ElasticBlockPool):
     """``ElasticBlockPool`` for vLLM 0.26 to 0.29, whose blocks carry no pool and whose pool has no reuse
     watchers."""
 
-    def _owns(self, block: KVCacheBlock) -> bool:
-        return True
+    _blocks_know_their_pool = False
 
     def _notify_handed_out(self, blocks: list[KVCacheBlock]) -> None:
         return None

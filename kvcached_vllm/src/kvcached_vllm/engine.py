@@ -212,11 +212,12 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
         pool = manager.block_pool
         if type(pool) not in ELASTIC_POOLS or pool._manager is None:
             return original(manager, *args, **kwargs)
-        pool.begin_allocation()
+        pool.checking = True
         try:
             blocks = original(manager, *args, **kwargs)
         finally:
-            pool.end_allocation()
+            pool.checking = False
+            pool.planned = 0
         if blocks is None:
             watch = runtime.pressure_watch()
             if watch is not None:
@@ -226,19 +227,13 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     return allocate_slots
 
 
-def plan_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
-    """WRAPS ``KVCacheCoordinator.get_num_blocks_to_allocate`` (per request and step, a ``wrap`` unit): the
-    elastic pool learns how many blocks ``allocate_slots`` is about to check for and take."""
-
-    def get_num_blocks_to_allocate(coordinator: Any, *args: Any, **kwargs: Any) -> int:
-        num_blocks = original(coordinator, *args, **kwargs)
-        if num_blocks:  # none to take: nothing to map first
-            pool = coordinator.block_pool
-            if type(pool) in ELASTIC_POOLS:
-                pool.plan(num_blocks)
-        return num_blocks
-
-    return get_num_blocks_to_allocate
+def note_planned_blocks(coordinator: Any, num_blocks: int) -> None:
+    """AFTER ``KVCacheCoordinator.get_num_blocks_to_allocate`` (per request and step, with nine keyword
+    arguments, hence an ``after`` unit): the elastic pool learns how many blocks ``allocate_slots`` is about
+    to check for and take."""
+    pool = coordinator.block_pool
+    if type(pool) in ELASTIC_POOLS and pool.checking:  # other callers only estimate
+        pool.planned = num_blocks
 
 
 def scheduler_turn(original: Callable[..., Any], engine: Any, *args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,7 @@ from .engine import (
     close_before_shutdown,
     kv_cache_configs_flat,
     kv_cache_configs_per_tensor,
-    plan_blocks,
+    note_planned_blocks,
     scheduler_turn,
 )
 from .layout import packed_when_block_outer, prefer_block_outer
@@ -215,8 +215,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "planned-blocks",
         "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate",
-        "wrap",
-        plan_blocks,
+        "after",
+        note_planned_blocks,
         "the block pool learns how many blocks allocate_slots checks for and then takes",
         releases=ALL,
     ),
