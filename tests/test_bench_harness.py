@@ -260,3 +260,26 @@ def test_gpu_clocks_summarises_what_nvidia_smi_printed(tmp_path, monkeypatch):
     assert seen["samples"] == 3 and seen["sm_mhz_p50"] == 1980 and seen["sm_mhz_min"] == 1755
     assert seen["power_w_p50"] == 690.0 and seen["temperature_c_max"] == 49
     assert seen["clock_events"] == ["0x0000000000000000", "0x0000000000000004"]
+
+
+def test_sglang_servers_get_an_equal_share_of_the_whole_gpu_whatever_started_first(tmp_path, monkeypatch):
+    """SGLang reads ``--mem-fraction-static`` as a fraction of the memory free when it starts; ``serve-ab``
+    means a share of the whole GPU, so the flag grows with what earlier servers hold. ``nvidia-smi`` is a
+    script here (no GPU) printing the free MiB."""
+    folder = os.path.join(os.path.dirname(HARNESS), "sglang")
+    monkeypatch.syspath_prepend(folder)  # where the script finds its own modules when run
+    spec = importlib.util.spec_from_file_location("sglang_suite", os.path.join(folder, "suite.py"))
+    sglang_suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sglang_suite)
+    fake = tmp_path / "nvidia-smi"
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(suite, "TOTAL", 80000 << 20)
+    fake.write_text("#!/bin/sh\necho 80000\n")
+    fake.chmod(0o700)
+    assert sglang_suite.SGLangServer.memory_flags("0.45") == ["--mem-fraction-static", "0.450"]
+    fake.write_text("#!/bin/sh\necho 40000\n")  # the first server holds half the GPU
+    assert sglang_suite.SGLangServer.memory_flags("0.45") == ["--mem-fraction-static", "0.900"]
+    fake.write_text("#!/bin/sh\necho 30000\n")
+    with pytest.raises(RuntimeError, match=r"GPU 0 has 29.3 GiB free, less than the 35.2 GiB asked for"):
+        sglang_suite.SGLangServer.memory_flags("0.45")

@@ -53,7 +53,19 @@ class SGLangServer(harness.Server):
 
     @staticmethod
     def memory_flags(fraction: str) -> list[str]:
-        return ["--mem-fraction-static", fraction]
+        """SGLang's ``--mem-fraction-static`` is a fraction of the memory free when the server starts (its
+        weights and KV pool come out of it), not of the whole GPU as vLLM's ``--gpu-memory-utilization``:
+        ``fraction`` of the whole GPU is turned into that, so the second of two servers gets what the
+        first got instead of ``fraction`` of what the first left."""
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        free = harness.gpu_bytes(gpu, "free")
+        wanted = float(fraction) * harness.TOTAL
+        if wanted > 0.95 * free:
+            raise RuntimeError(
+                f"GPU {gpu} has {free / harness.GiB:.1f} GiB free, less than the {wanted / harness.GiB:.1f} GiB "
+                "asked for; start fewer servers (KVCACHED_BENCH_SIDES) or free the GPU"
+            )
+        return ["--mem-fraction-static", f"{wanted / free:.3f}"]
 
     def command(self, model: str, extra: list[str]) -> list[str]:
         return [

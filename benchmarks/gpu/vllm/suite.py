@@ -1145,9 +1145,10 @@ def handover(samples: list[dict], prev: dict, nxt: dict) -> dict:
 TOTAL = 0  # bytes of the GPU the engines run on, set in main()
 
 
-def gpu_bytes(index: str) -> int:
+def gpu_bytes(index: str, which: str = "total") -> int:
+    """GPU ``index``'s memory in bytes, as nvidia-smi reports it: ``which`` is ``total``, ``used`` or ``free``."""
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", index],
+        ["nvidia-smi", f"--query-gpu=memory.{which}", "--format=csv,noheader,nounits", "-i", index],
         capture_output=True,
         text=True,
         check=True,
