@@ -264,22 +264,43 @@ def test_gpu_clocks_summarises_what_nvidia_smi_printed(tmp_path, monkeypatch):
 
 def test_sglang_servers_get_an_equal_share_of_the_whole_gpu_whatever_started_first(tmp_path, monkeypatch):
     """SGLang reads ``--mem-fraction-static`` as a fraction of the memory free when it starts; ``serve-ab``
-    means a share of the whole GPU, so the flag grows with what earlier servers hold. ``nvidia-smi`` is a
-    script here (no GPU) printing the free MiB."""
+    means a share of the whole GPU, so the flag grows with what earlier servers hold, and every pool gets the
+    same token cap. ``nvidia-smi`` is a script here (no GPU) printing the free MiB; the model is its config
+    and a weights file of 1 GiB."""
     folder = os.path.join(os.path.dirname(HARNESS), "sglang")
     monkeypatch.syspath_prepend(folder)  # where the script finds its own modules when run
     spec = importlib.util.spec_from_file_location("sglang_suite", os.path.join(folder, "suite.py"))
     sglang_suite = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sglang_suite)
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"num_hidden_layers": 32, "num_key_value_heads": 8, "hidden_size": 1024, "num_attention_heads": 8}
+    (model / "config.json").write_text(json.dumps(config))
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(1 << 30)
+    assert sglang_suite.kv_bytes_per_token(str(model)) == 128 << 10  # Llama-3-8B's: 32 layers x 8 x 128 x K,V x 2 B
     fake = tmp_path / "nvidia-smi"
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(suite, "TOTAL", 80000 << 20)
+    tokens = str(int(0.9 * (0.45 * (80000 << 20) - (1 << 30)) / (128 << 10)))
     fake.write_text("#!/bin/sh\necho 80000\n")
     fake.chmod(0o700)
-    assert sglang_suite.SGLangServer.memory_flags("0.45") == ["--mem-fraction-static", "0.450"]
+    first = sglang_suite.SGLangServer.memory_flags("0.45", str(model))
+    assert first == ["--mem-fraction-static", "0.450", "--max-total-tokens", tokens]
     fake.write_text("#!/bin/sh\necho 40000\n")  # the first server holds half the GPU
-    assert sglang_suite.SGLangServer.memory_flags("0.45") == ["--mem-fraction-static", "0.900"]
+    second = sglang_suite.SGLangServer.memory_flags("0.45", str(model))
+    assert second == ["--mem-fraction-static", "0.900", "--max-total-tokens", tokens]
     fake.write_text("#!/bin/sh\necho 30000\n")
     with pytest.raises(RuntimeError, match=r"GPU 0 has 29.3 GiB free, less than the 35.2 GiB asked for"):
-        sglang_suite.SGLangServer.memory_flags("0.45")
+        sglang_suite.SGLangServer.memory_flags("0.45", str(model))
+
+
+def test_serve_runs_the_rates_asked_for_and_refuses_unknown_ones(monkeypatch):
+    monkeypatch.delenv("KVCACHED_BENCH_RATES", raising=False)
+    assert suite.serve_rates() == suite.SERVE_RATES
+    monkeypatch.setenv("KVCACHED_BENCH_RATES", "inf,16")
+    assert [rate for rate, *_ in suite.serve_rates()] == [16.0, float("inf")]
+    monkeypatch.setenv("KVCACHED_BENCH_RATES", "32")
+    with pytest.raises(RuntimeError, match="name rates among 16, 64 and inf"):
+        suite.serve_rates()

@@ -52,11 +52,14 @@ class SGLangServer(harness.Server):
     ENGINE_PROCESS = "sglang::scheduler"  # SGLang retitles its scheduler process so
 
     @staticmethod
-    def memory_flags(fraction: str) -> list[str]:
-        """SGLang's ``--mem-fraction-static`` is a fraction of the memory free when the server starts (its
-        weights and KV pool come out of it), not of the whole GPU as vLLM's ``--gpu-memory-utilization``:
-        ``fraction`` of the whole GPU is turned into that, so the second of two servers gets what the
-        first got instead of ``fraction`` of what the first left."""
+    def memory_flags(fraction: str, model: str) -> list[str]:
+        """``fraction`` of the whole GPU for ``model``'s weights and KV pool, and the same pool whatever
+        started first. SGLang's ``--mem-fraction-static`` is a fraction of the memory free when the server
+        starts, not of the whole GPU as vLLM's ``--gpu-memory-utilization``: it is derived from what is free
+        now, so the second of two servers gets what the first got instead of ``fraction`` of what the first
+        left. And ``--max-total-tokens`` caps every pool at 90 % of what that share holds: left to profiling,
+        two pools differed by 0.8 % and at saturation, which overfills them, the smaller one queued 9
+        requests to the wave's end where the other queued 5 (run 4 of ``benchmarks/results/h200-sglang``)."""
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         free = harness.gpu_bytes(gpu, "free")
         wanted = float(fraction) * harness.TOTAL
@@ -65,7 +68,9 @@ class SGLangServer(harness.Server):
                 f"GPU {gpu} has {free / harness.GiB:.1f} GiB free, less than the {wanted / harness.GiB:.1f} GiB "
                 "asked for; start fewer servers (KVCACHED_BENCH_SIDES) or free the GPU"
             )
-        return ["--mem-fraction-static", f"{wanted / free:.3f}"]
+        weights = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
+        tokens = int(0.9 * (wanted - weights) / kv_bytes_per_token(model))
+        return ["--mem-fraction-static", f"{wanted / free:.3f}", "--max-total-tokens", str(tokens)]
 
     def command(self, model: str, extra: list[str]) -> list[str]:
         return [
@@ -90,6 +95,14 @@ class SGLangServer(harness.Server):
             "pytorch",
             *extra,
         ]
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """K and V bytes of one token over every layer of ``model`` (a Llama-shaped config, 2-byte dtype)."""
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
 
 
 def generate(port: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

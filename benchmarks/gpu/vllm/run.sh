@@ -13,7 +13,8 @@
 # full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
 # packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached; `peer` builds and runs
 # the peer project too) picks the engines of offline, serve, serve-ab and burst; KVCACHED_BENCH_ROUNDS (default 1)
-# runs offline's and serve's that many times, alternating (serve-ab: at least 4). A failing phase does not stop
+# runs offline's and serve's that many times, alternating (serve-ab: at least 4); KVCACHED_BENCH_RATES (e.g. inf)
+# runs only those of serve's and serve-ab's rates 16,64,inf. A failing phase does not stop
 # the others; exit status 1 if any failed.
 #
 # KVCACHED_BENCH_ENGINE=sglang (what benchmarks/gpu/sglang/run.sh sets) runs the SGLang harness instead:

@@ -331,8 +331,8 @@ class Server:
     ENGINE_PROCESS = "EngineCore"
 
     @staticmethod
-    def memory_flags(fraction: str) -> list[str]:
-        """The flags that give the server ``fraction`` of the GPU's memory."""
+    def memory_flags(fraction: str, model: str) -> list[str]:
+        """The flags that give the server of ``model`` ``fraction`` of the GPU's memory."""
         return ["--gpu-memory-utilization", fraction]
 
     def __init__(
@@ -752,6 +752,19 @@ def cpu_seconds(session: int, engine_process: str = Server.ENGINE_PROCESS) -> di
 SERVE_RATES = [(16.0, 240, 2, 1), (64.0, 480, 3, 1), (float("inf"), 480, 4, 3)]
 
 
+def serve_rates() -> list[tuple[float, int, int, int]]:
+    """:data:`SERVE_RATES`, or those ``KVCACHED_BENCH_RATES`` names (``16,64,inf``): a device call may fit
+    more rounds of one rate than of all three."""
+    wanted = os.environ.get("KVCACHED_BENCH_RATES")
+    if not wanted:
+        return SERVE_RATES
+    names = {name.strip() for name in wanted.split(",")}
+    rates = [entry for entry in SERVE_RATES if ("inf" if entry[0] == float("inf") else str(int(entry[0]))) in names]
+    if len(rates) != len(names):
+        raise RuntimeError(f"KVCACHED_BENCH_RATES={wanted!r}: name rates among 16, 64 and inf, comma-separated")
+    return rates
+
+
 def phase_serve(args: argparse.Namespace) -> dict:
     """Serving latency: one server per chosen side of :data:`SERVER_SIDES`, one after the other, ``--rounds``
     times over (vanilla, kvcached, kvcached, vanilla, ...: one server's figures move between starts, so a
@@ -773,7 +786,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 result.setdefault(f"startup_s_{side}", []).append(server.wait_ready())
                 log(f"serve {side} up (round {round_ + 1} of {args.rounds})")
                 asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
-                for rate, n, seed, waves in SERVE_RATES:
+                for rate, n, seed, waves in serve_rates():
                     for wave in range(waves):
                         profile = rate == float("inf") and wave == 1
                         stats = serve_rate(
@@ -807,7 +820,7 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
     servers: list[Server] = []
     with serving(servers, result):
         for i, (side, kvcached, env) in enumerate(args.sides):
-            flags = args.server.memory_flags(share)
+            flags = args.server.memory_flags(share, args.model)
             # A compile cache of its own, so every side compiles its graphs: the second of two servers
             # sharing one loads the first's, and in run 18 that side's forward took twice the CPU samples.
             env = {**(env or {}), "VLLM_CACHE_ROOT": tempfile.mkdtemp(prefix=f"vllm-cache-{side}-")}
@@ -816,7 +829,7 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
             result.setdefault(f"startup_s_{side}", []).append(servers[-1].wait_ready())
             asyncio.run(open_loop(servers[-1].port, servers[-1].name, token_prompts(32, 512, 1), 8.0, 16))  # warm
         log(f"serve-ab: {len(servers)} servers up, {share} of the GPU each")
-        for rate, n, seed, _ in SERVE_RATES:
+        for rate, n, seed, _ in serve_rates():
             for round_ in range(rounds):
                 for server, (side, kvcached, _) in round_order(list(zip(servers, args.sides, strict=True)), round_):
                     profile = rate == float("inf") and round_ == 1
