@@ -626,6 +626,10 @@ def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 f"--sides peer: no peer build in {PEER_PATH}; run `bash benchmarks/gpu/peer/build_peer.sh "
                 f".peer-src {PEER_PATH}` (or set KVCACHED_BENCH_PEER_PATH)"
             )
+    try:
+        serve_rates()  # a misspelt KVCACHED_BENCH_RATES fails here, before any engine starts
+    except RuntimeError as exc:
+        parser.error(str(exc))
         args.sides = [(name, on, peer_env() if name == "peer" else env) for name, on, env in args.sides]
 
 
