@@ -756,6 +756,11 @@ def cpu_seconds(session: int, engine_process: str = Server.ENGINE_PROCESS) -> di
 SERVE_RATES = [(16.0, 240, 2, 1), (64.0, 480, 3, 1), (float("inf"), 480, 4, 3)]
 
 
+def rate_name(rate: float | str) -> str:
+    """A request rate as the results name it: ``16``, ``64`` or ``inf`` (saturation)."""
+    return "inf" if rate in ("inf", float("inf")) else str(int(rate))
+
+
 def serve_rates() -> list[tuple[float, int, int, int]]:
     """:data:`SERVE_RATES`, or those ``KVCACHED_BENCH_RATES`` names (``16,64,inf``): a device call may fit
     more rounds of one rate than of all three."""
@@ -763,7 +768,7 @@ def serve_rates() -> list[tuple[float, int, int, int]]:
     if not wanted:
         return SERVE_RATES
     names = {name.strip() for name in wanted.split(",")}
-    rates = [entry for entry in SERVE_RATES if ("inf" if entry[0] == float("inf") else str(int(entry[0]))) in names]
+    rates = [entry for entry in SERVE_RATES if rate_name(entry[0]) in names]
     if len(rates) != len(names):
         raise RuntimeError(f"KVCACHED_BENCH_RATES={wanted!r}: name rates among 16, 64 and inf, comma-separated")
     return rates
@@ -855,7 +860,7 @@ def write_serve(args: argparse.Namespace, name: str, result: dict) -> None:
 
 def keep_rate(result: dict, side: str, stats: dict, label: str) -> None:
     """One rate's (or wave's) figures into ``result["rates"][rate]["<side>_rounds"]``, and a log line."""
-    key = "inf" if stats["rate"] == "inf" else str(int(stats["rate"]))
+    key = rate_name(stats["rate"])
     result["rates"].setdefault(key, {}).setdefault(f"{side}_rounds", []).append(stats)
     log(
         f"{label}: ttft p50 {stats['ttft_p50']} tpot p50 {stats['tpot_p50']} req/s {stats['request_throughput']} "
