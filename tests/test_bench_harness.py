@@ -304,3 +304,36 @@ def test_serve_runs_the_rates_asked_for_and_refuses_unknown_ones(monkeypatch):
     monkeypatch.setenv("KVCACHED_BENCH_RATES", "32")
     with pytest.raises(RuntimeError, match="name rates among 16, 64 and inf"):
         suite.serve_rates()
+
+
+def test_serve_ab_profiles_saturation_unless_told_which_rates(monkeypatch):
+    monkeypatch.delenv("KVCACHED_BENCH_PROFILE_RATES", raising=False)
+    assert suite.profiled_rates() == {float("inf")}
+    monkeypatch.setenv("KVCACHED_BENCH_PROFILE_RATES", "64,inf")
+    assert suite.profiled_rates() == {64.0, float("inf")}
+    monkeypatch.setenv("KVCACHED_BENCH_PROFILE_RATES", "sat")
+    with pytest.raises(RuntimeError, match="KVCACHED_BENCH_PROFILE_RATES='sat': name rates among"):
+        suite.profiled_rates()
+
+
+def _sides_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="suite")
+    suite.add_sides_argument(parser)
+    return parser
+
+
+def test_sides_are_checked_before_any_engine_starts_and_the_peer_gets_its_environment(tmp_path, monkeypatch, capsys):
+    parser = _sides_parser()
+    (tmp_path / "_site").mkdir()
+    monkeypatch.setattr(suite, "PEER_PATH", str(tmp_path))
+    monkeypatch.delenv("KVCACHED_BENCH_RATES", raising=False)
+    args = parser.parse_args(["--sides", "vanilla,kvcached-watch100,peer", "--rounds", "2"])
+    suite.check_sides(parser, args)
+    assert [name for name, _, _ in args.sides] == ["vanilla", "kvcached-watch100", "peer"]
+    assert args.sides[1][2] == {"KVCACHED_WATCH_INTERVAL_MS": "100"}
+    peer = args.sides[2][2]
+    assert peer["ENABLE_KVCACHED"] == "true" and peer["PYTHONPATH"].startswith(f"{tmp_path}/_site{os.pathsep}")
+    monkeypatch.setenv("KVCACHED_BENCH_PROFILE_RATES", "16,fast")
+    with pytest.raises(SystemExit):
+        suite.check_sides(parser, parser.parse_args(["--sides", "vanilla,kvcached"]))
+    assert "KVCACHED_BENCH_PROFILE_RATES='16,fast'" in capsys.readouterr().err

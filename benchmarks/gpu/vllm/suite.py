@@ -578,6 +578,9 @@ SERVER_SIDES = [
     ("kvcached-ahead", True, {"KVCACHED_MAP_AHEAD_PAGES": "2"}),
     # no backstop under unmapped pages: every map and unmap one page-table change instead of two
     ("kvcached-nobackstop", True, {"KVCACHED_BACKSTOP": "0"}),
+    # the watcher thread (device pressure, idle hold) waking every 100 ms instead of 10: what its wake-ups
+    # cost the scheduler's thread through the interpreter lock
+    ("kvcached-watch100", True, {"KVCACHED_WATCH_INTERVAL_MS": "100"}),
     # the peer project (ovg-project/kvcached), its vLLM patches on, ours off: see peer_env
     ("peer", False, None),
 ]
@@ -585,10 +588,11 @@ DEFAULT_SIDES = "vanilla,kvcached,kvcached-2M"
 PEER_PATH = os.environ.get("KVCACHED_BENCH_PEER_PATH", "/tmp/peer-kv")
 
 
-def peer_env(path: str = PEER_PATH) -> dict[str, str]:
+def peer_env(path: str | None = None) -> dict[str, str]:
     """The environment of a ``peer`` engine: the peer built by ``benchmarks/gpu/peer/build_peer.sh`` into
     ``path`` first on PYTHONPATH, its ``.pth`` hook read (``path/_site``), and its switches on, as its README
     says to run it (``ENABLE_KVCACHED=true``, ``KVCACHED_AUTOPATCH=1``); kvcached's own plugin is off."""
+    path = path or PEER_PATH
     paths = [os.path.join(path, "_site"), path, os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}
 
@@ -627,10 +631,11 @@ def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 f".peer-src {PEER_PATH}` (or set KVCACHED_BENCH_PEER_PATH)"
             )
     try:
-        serve_rates()  # a misspelt KVCACHED_BENCH_RATES fails here, before any engine starts
+        serve_rates()  # a misspelt KVCACHED_BENCH_RATES (or _PROFILE_RATES) fails here, before any engine starts
+        profiled_rates()
     except RuntimeError as exc:
         parser.error(str(exc))
-        args.sides = [(name, on, peer_env() if name == "peer" else env) for name, on, env in args.sides]
+    args.sides = [(name, on, peer_env() if name == "peer" else env) for name, on, env in args.sides]
 
 
 # vLLM's counters that serve reads around each rate: prefix-cache tokens hit and queried, preemptions, and the
@@ -761,17 +766,22 @@ def rate_name(rate: float | str) -> str:
     return "inf" if rate in ("inf", float("inf")) else str(int(rate))
 
 
-def serve_rates() -> list[tuple[float, int, int, int]]:
-    """:data:`SERVE_RATES`, or those ``KVCACHED_BENCH_RATES`` names (``16,64,inf``): a device call may fit
-    more rounds of one rate than of all three."""
-    wanted = os.environ.get("KVCACHED_BENCH_RATES")
+def serve_rates(variable: str = "KVCACHED_BENCH_RATES", default: str = "") -> list[tuple[float, int, int, int]]:
+    """:data:`SERVE_RATES`, or those the environment ``variable`` names (``16,64,inf``; unset: ``default``,
+    and an empty default is every rate): a device call may fit more rounds of one rate than of all three."""
+    wanted = os.environ.get(variable) or default
     if not wanted:
         return SERVE_RATES
     names = {name.strip() for name in wanted.split(",")}
     rates = [entry for entry in SERVE_RATES if rate_name(entry[0]) in names]
     if len(rates) != len(names):
-        raise RuntimeError(f"KVCACHED_BENCH_RATES={wanted!r}: name rates among 16, 64 and inf, comma-separated")
+        raise RuntimeError(f"{variable}={wanted!r}: name rates among 16, 64 and inf, comma-separated")
     return rates
+
+
+def profiled_rates() -> set[float]:
+    """The rates whose second round ``serve-ab`` profiles (``KVCACHED_BENCH_PROFILE_RATES``, default ``inf``)."""
+    return {rate for rate, *_ in serve_rates("KVCACHED_BENCH_PROFILE_RATES", "inf")}
 
 
 def phase_serve(args: argparse.Namespace) -> dict:
@@ -819,9 +829,10 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
     measured seconds apart on servers that stay up, so what moves the machine moves both. Each server
     compiles its graphs into a cache of its own (none loads another's), so a pair differs in kvcached only.
     Each round is one of ``serve``'s rates (:func:`serve_rate`, the engine's figures included), paired with
-    vanilla's of the same round by :func:`summarise_rounds`; the second saturation round is profiled
-    where ``KVCACHED_BENCH_PYSPY`` asks for it. The idle servers stay up while one is measured, as they
-    would on a shared GPU (a kvcached one may unmap what it freed meanwhile: its driver calls are counted)."""
+    vanilla's of the same round by :func:`summarise_rounds`; the second round of each rate that
+    :func:`profiled_rates` names (saturation by default) is profiled where ``KVCACHED_BENCH_PYSPY`` asks for
+    it. The idle servers stay up while one is measured, as they would on a shared GPU (a kvcached one may
+    unmap what it freed meanwhile: its driver calls are counted)."""
     share, rounds = f"{0.9 / len(args.sides):.2f}", max(args.rounds, SERVE_AB_ROUNDS)
     result: dict = {"input_len": 512, "output_len": 128, "rounds": rounds, "memory_share": float(share)}
     result["rates"] = {}
@@ -838,10 +849,11 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
             result.setdefault(f"startup_s_{side}", []).append(servers[-1].wait_ready())
             asyncio.run(open_loop(servers[-1].port, servers[-1].name, token_prompts(32, 512, 1), 8.0, 16))  # warm
         log(f"serve-ab: {len(servers)} servers up, {share} of the GPU each")
+        profiled = profiled_rates()
         for rate, n, seed, _ in serve_rates():
             for round_ in range(rounds):
                 for server, (side, kvcached, _) in round_order(list(zip(servers, args.sides, strict=True)), round_):
-                    profile = rate == float("inf") and round_ == 1
+                    profile = rate in profiled and round_ == 1
                     stats = serve_rate(
                         server, side, kvcached, rate, n, seed + 100 * round_, args.out, round_, 0, profile
                     )
@@ -911,7 +923,8 @@ def profile_server(server: Server, name: str, out: str) -> list[subprocess.Popen
     """With ``KVCACHED_BENCH_PYSPY`` naming a py-spy binary, record the server's EngineCore and its API
     server (every thread, idle ones too, without pausing them) for 5 s into ``out/profile-{engine_core,
     front_end}-name.raw``: where the scheduler's, the model runner's and the front end's time goes while a
-    saturation wave runs. Empty when unset."""
+    wave runs; and the EngineCore's thread holding the interpreter lock (``profile-engine_core_gil-name.raw``).
+    Empty when unset."""
     spy = os.environ.get("KVCACHED_BENCH_PYSPY")
     if not spy:
         return []
@@ -925,9 +938,12 @@ def profile_server(server: Server, name: str, out: str) -> list[subprocess.Popen
         targets["engine_core"] = engines[0]
     else:
         log(f"profile {name}: no {server.ENGINE_PROCESS} process under {server.name}")
+    if engines:  # only the thread holding the interpreter lock: who keeps the scheduler's thread waiting
+        targets["engine_core_gil"] = engines[0]
     started = []
     for role, pid in targets.items():
-        command = [spy, "record", "-p", pid, "-d", "5", "-r", "250", "--threads", "--idle", "--nonblocking"]
+        command = [spy, "record", "-p", pid, "-d", "5", "-r", "250", "--threads", "--nonblocking"]
+        command += ["--gil"] if role.endswith("_gil") else ["--idle"]
         command += ["-f", "raw", "-o", os.path.join(out, f"profile-{role}-{name}.raw")]
         with open(os.path.join(out, f"profile-{role}-{name}.log"), "w") as errors:  # the child keeps a copy
             started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors))
