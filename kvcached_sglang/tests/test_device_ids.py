@@ -72,3 +72,32 @@ def test_cuda_ids_cross_without_waiting_and_frees_settle_by_event():
         assert ids.pending == 0 and mgr.snapshot()["allocated_blocks"] == 256
     finally:
         mgr.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the lent H200)")
+def test_cuda_a_full_pool_reuses_ids_on_their_way_back_without_waiting():
+    """SGLang's radix cache fills the pool, then evicts and allocates at once: the ids it just gave back are
+    still being copied to the host behind the running forward pass. The take must not wait for that copy."""
+    mgr = KVCacheManager(512, 64 * 1024, 1, 2, device="cuda:0", name="device-ids-reuse")
+    try:
+        ids = DeviceIds(mgr, "cuda:0")
+        taken = ids.take(500)  # 12 blocks left in kvcached
+        given = taken[:100].to(torch.int32)  # SGLang's req_to_token indices are int32
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU work ahead of the free's copy
+        began = time.perf_counter()
+        ids.give(given)
+        again = ids.take(105)  # 100 on their way back and 5 fresh
+        assert time.perf_counter() - began < 0.1
+        assert ids.reused == 100 and ids.waits == 0 and ids.pending == 0
+        values = again.tolist()  # waits for the GPU: the copies ran in order
+        assert set(values[5:]) == set(given.tolist()) and len(set(values)) == 105
+        assert not set(values[:5]) & set(taken.tolist())
+        assert mgr.snapshot()["allocated_blocks"] == 505
+        # Part of a free reused: the rest reaches kvcached when its copy is done.
+        torch.cuda._sleep(1_000_000_000)
+        ids.give(again[:40])
+        assert ids.take(30) is not None and ids.reused == 130 and ids.pending == 10
+        ids.settle(wait=True)
+        assert ids.pending == 0 and mgr.snapshot()["allocated_blocks"] == 505 - 10
+    finally:
+        mgr.close()

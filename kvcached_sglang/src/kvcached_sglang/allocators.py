@@ -72,6 +72,10 @@ class ElasticAllocatorMixin:
         memory the device no longer has; what it frees is used."""
         self._ids.make_room = make_room
 
+    def id_traffic(self) -> tuple[int, int]:
+        """Since start: page ids reused while on their way back, and allocations that waited for the GPU."""
+        return self._ids.reused, self._ids.waits
+
     def _elastic_available(self) -> int:
         return self._ids.available() * self.page_size
 

@@ -44,6 +44,7 @@ class CachePolicy:
         self.floor_tokens = settings.prefix_cache_floor_bytes // block_bytes * self.tokens_per_block
         self.watch = PressureWatch(settings, kv.device, self._has_spare)
         self.given_back = 0  # tokens evicted for other engines, for tests and logs
+        self._id_traffic = (0, 0)  # what on_idle last logged of the allocator's id_traffic()
         scheduler.token_to_kv_pool_allocator.when_short(self.make_room)
         mamba = getattr(scheduler.req_to_token_pool, "mamba_allocator", None)
         if others and mamba is not None:
@@ -97,6 +98,10 @@ class CachePolicy:
     def on_idle(self) -> None:
         """The scheduler is fully idle: keep the radix cache within its budget, and give back to a short
         neighbour."""
+        traffic = self.scheduler.token_to_kv_pool_allocator.id_traffic()
+        if traffic != self._id_traffic:
+            self._id_traffic = traffic
+            logger.info("kvcached: %d page ids reused on their way back, %d allocations waited for the GPU", *traffic)
         if not self.watch.take_pending():
             self._evict_down_to(self.budget_tokens)
             return

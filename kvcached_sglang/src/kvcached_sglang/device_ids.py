@@ -5,19 +5,34 @@ batch while the current one runs. kvcached's free list is on the host, so ids mu
 ``torch.tensor(ids, device=...)`` or ``ids.tolist()`` would wait for the stream each time (and turn every id
 into a Python int). Here taken ids are written by kvcached straight into a pinned buffer and copied without
 a wait; given ids are copied into a pinned buffer behind an event and handed to kvcached once the copy is
-done, at the next take or count (counted as available meanwhile, waited for only when a take needs them).
+done, at the next take or count (counted as available meanwhile). A take that needs ids still on their way
+back (a full pool: SGLang evicts cached prefixes and allocates the room at once) reuses them on the GPU,
+copied from their pinned buffer behind the copy that fills it, so the scheduler never waits for the GPU
+there either: waiting would stall it behind the running forward pass (SGLang orders its stream after the
+forward's reads), losing the overlap of scheduling and compute at every eviction.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvcached_core import KVCacheManager
 from kvcached_core.promise import SchedulerCount
+
+
+@dataclass
+class _Returning:
+    """Ids given back from the device: copied into ``host`` (pinned) behind ``done``; the first ``start`` of
+    them were reused by a take before the copy was handed to kvcached, so they stay allocated there."""
+
+    done: Any  # torch.cuda.Event
+    host: torch.Tensor
+    start: int = 0
 
 
 class DeviceIds:
@@ -32,8 +47,10 @@ class DeviceIds:
         self.count = SchedulerCount(manager)  # what the scheduler was last told is available
         self.held: set[int] | None = set() if track_held else None
         self._cuda = torch.device(device).type == "cuda"
-        self._freeing: deque[tuple[Any, torch.Tensor]] = deque()  # (copy-done event, pinned host ids)
+        self._freeing: deque[_Returning] = deque()
         self.pending = 0  # ids given back whose copy to the host has not been handed to kvcached yet
+        self.reused = 0  # ids handed out again while on their way back (counts for tests and logs)
+        self.waits = 0  # takes that waited for the GPU to finish copying frees
         # Called with the number of ids while a take the scheduler was promised waits for memory.
         self.make_room: Callable[[int], None] | None = None
 
@@ -43,7 +60,12 @@ class DeviceIds:
         self.settle()
         host = torch.empty(n, dtype=torch.int64, pin_memory=self._cuda)
         served = self.manager.alloc_into(n, host.numpy())
-        if not served and self._freeing:  # what it needs may be in frees still on their way
+        if not served and self._freeing:  # what it needs is in frees still on their way
+            if self.held is None and n <= self.pending + self.manager.available_size():
+                out = self._take_returning(n, host)
+                if out is not None:
+                    return out
+            self.waits += 1
             self.settle(wait=True)
             served = self.manager.alloc_into(n, host.numpy())
         if served:
@@ -71,19 +93,47 @@ class DeviceIds:
         host.copy_(flat, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        self._freeing.append((done, host))
+        self._freeing.append(_Returning(done, host))
         self.pending += host.numel()
 
     def settle(self, wait: bool = False) -> None:
         """Hand kvcached the given ids whose copy to the host is done (``wait``: all of them)."""
         while self._freeing:
-            done, host = self._freeing[0]
-            if not wait and not done.query():
+            returning = self._freeing[0]
+            if not wait and not returning.done.query():
                 return
-            done.synchronize()
+            returning.done.synchronize()
             self._freeing.popleft()
-            self.pending -= host.numel()
-            self._free(host)
+            rest = returning.host[returning.start :]
+            self.pending -= rest.numel()
+            self._free(rest)
+
+    def _take_returning(self, n: int, host: torch.Tensor) -> torch.Tensor | None:
+        """``n`` ids on the device: what kvcached serves now, the rest reused from frees still on their way
+        (oldest first), without waiting for the GPU; None when kvcached served less than it counted."""
+        fresh = max(0, n - self.pending)
+        if fresh and not self.manager.alloc_into(fresh, host.numpy()):
+            return None  # another process took the memory since the count: the waiting path decides
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        if fresh:
+            out[:fresh].copy_(host[:fresh], non_blocking=True)
+        stream, filled = torch.cuda.current_stream(), fresh
+        while filled < n:
+            returning = self._freeing[0]
+            use = min(n - filled, returning.host.numel() - returning.start)
+            stream.wait_event(returning.done)  # a give on another stream: its copy into host comes first
+            # Same dtype as the pinned buffer (a plain copy, ordered after the one filling it on the GPU),
+            # then widened on the device: a dtype change across devices would read the buffer now, on the host.
+            part = returning.host[returning.start : returning.start + use].to(self.device, non_blocking=True)
+            out[filled : filled + use].copy_(part)
+            returning.start += use
+            if returning.start == returning.host.numel():
+                self._freeing.popleft()  # the allocator keeps the buffer until the copies reading it ran
+            self.pending -= use
+            filled += use
+        self.reused += n - fresh
+        self.count.took(n)
+        return out
 
     def available(self) -> int:
         """Ids the scheduler may plan on: what kvcached can serve now plus what is on its way back (recorded
