@@ -316,14 +316,9 @@ def test_serve_ab_profiles_saturation_unless_told_which_rates(monkeypatch):
         suite.profiled_rates()
 
 
-def _sides_parser() -> argparse.ArgumentParser:
+def test_sides_are_checked_before_any_engine_starts_and_the_peer_gets_its_environment(tmp_path, monkeypatch, capsys):
     parser = argparse.ArgumentParser(prog="suite")
     suite.add_sides_argument(parser)
-    return parser
-
-
-def test_sides_are_checked_before_any_engine_starts_and_the_peer_gets_its_environment(tmp_path, monkeypatch, capsys):
-    parser = _sides_parser()
     (tmp_path / "_site").mkdir()
     monkeypatch.setattr(suite, "PEER_PATH", str(tmp_path))
     monkeypatch.delenv("KVCACHED_BENCH_RATES", raising=False)

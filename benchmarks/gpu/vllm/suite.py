@@ -588,12 +588,12 @@ DEFAULT_SIDES = "vanilla,kvcached,kvcached-2M"
 PEER_PATH = os.environ.get("KVCACHED_BENCH_PEER_PATH", "/tmp/peer-kv")
 
 
-def peer_env(path: str | None = None) -> dict[str, str]:
+def peer_env() -> dict[str, str]:
     """The environment of a ``peer`` engine: the peer built by ``benchmarks/gpu/peer/build_peer.sh`` into
-    ``path`` first on PYTHONPATH, its ``.pth`` hook read (``path/_site``), and its switches on, as its README
-    says to run it (``ENABLE_KVCACHED=true``, ``KVCACHED_AUTOPATCH=1``); kvcached's own plugin is off."""
-    path = path or PEER_PATH
-    paths = [os.path.join(path, "_site"), path, os.environ.get("PYTHONPATH", "")]
+    :data:`PEER_PATH` first on PYTHONPATH, its ``.pth`` hook read (``PEER_PATH/_site``), and its switches on,
+    as its README says to run it (``ENABLE_KVCACHED=true``, ``KVCACHED_AUTOPATCH=1``); kvcached's own plugin
+    is off."""
+    paths = [os.path.join(PEER_PATH, "_site"), PEER_PATH, os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}
 
 
@@ -780,7 +780,8 @@ def serve_rates(variable: str = "KVCACHED_BENCH_RATES", default: str = "") -> li
 
 
 def profiled_rates() -> set[float]:
-    """The rates whose second round ``serve-ab`` profiles (``KVCACHED_BENCH_PROFILE_RATES``, default ``inf``)."""
+    """The rates whose second wave (``serve``) or round (``serve-ab``) is profiled
+    (``KVCACHED_BENCH_PROFILE_RATES``, default ``inf``)."""
     return {rate for rate, *_ in serve_rates("KVCACHED_BENCH_PROFILE_RATES", "inf")}
 
 
@@ -805,9 +806,10 @@ def phase_serve(args: argparse.Namespace) -> dict:
                 result.setdefault(f"startup_s_{side}", []).append(server.wait_ready())
                 log(f"serve {side} up (round {round_ + 1} of {args.rounds})")
                 asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
+                profiled = profiled_rates()
                 for rate, n, seed, waves in serve_rates():
                     for wave in range(waves):
-                        profile = rate == float("inf") and wave == 1
+                        profile = rate in profiled and wave == 1
                         stats = serve_rate(
                             server, side, kvcached, rate, n, seed + 100 * wave, args.out, round_, wave, profile
                         )
