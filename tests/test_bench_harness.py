@@ -262,16 +262,43 @@ def test_gpu_clocks_summarises_what_nvidia_smi_printed(tmp_path, monkeypatch):
     assert seen["clock_events"] == ["0x0000000000000000", "0x0000000000000004"]
 
 
-def test_sglang_servers_get_an_equal_share_of_the_whole_gpu_whatever_started_first(tmp_path, monkeypatch):
-    """SGLang reads ``--mem-fraction-static`` as a fraction of the memory free when it starts; ``serve-ab``
-    means a share of the whole GPU, so the flag grows with what earlier servers hold, and every pool gets the
-    same token cap. ``nvidia-smi`` is a script here (no GPU) printing the free MiB; the model is its config
-    and a weights file of 1 GiB."""
+def load_sglang_suite(monkeypatch):
+    """``benchmarks/gpu/sglang/suite.py`` as a module (it imports no SGLang at the top)."""
     folder = os.path.join(os.path.dirname(HARNESS), "sglang")
     monkeypatch.syspath_prepend(folder)  # where the script finds its own modules when run
     spec = importlib.util.spec_from_file_location("sglang_suite", os.path.join(folder, "suite.py"))
     sglang_suite = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sglang_suite)
+    return sglang_suite
+
+
+def test_sglang_decode_lines_give_the_step_and_the_gpu_time_per_step(monkeypatch):
+    """Lines as SGLang 0.5.16 logs them (the first two with its device timer on): 64 requests at 8000
+    tokens/s are 8 ms a step, 75 % of it on the GPU; a window without a forward timing or without tokens
+    adds no GPU time (or nothing)."""
+    sglang_suite = load_sglang_suite(monkeypatch)
+    head = "[2026-12-06 00:05:58] Decode batch, #running-req: "
+    lines = [
+        head + "64, #token: 40000, token usage: 0.14, cuda graph: True, gen throughput (token/s): 8000.00, "
+        "#queue-req: 0, fwd occupancy: 75.00%",
+        head + "32, #token: 20000, token usage: 0.07, cuda graph: True, gen throughput (token/s): 8000.00, "
+        "#queue-req: 0, fwd occupancy: 50.00%",
+        head + "16, #token: 9000, token usage: 0.03, cuda graph: True, gen throughput (token/s): 4000.00, "
+        "#queue-req: 0, fwd occupancy: nan%",
+        head + "2, #token: 1037, token usage: 0.00, cuda graph: True, gen throughput (token/s): 0.00, #queue-req: 0",
+        "[2026-12-06 00:05:58] Prefill batch, #new-seq: 1, #new-token: 25, #running-req: 0",
+    ]
+    figures = sglang_suite.decode_figures(lines)
+    assert figures == {"decode_step_ms": 4.0, "decode_gpu_ms": pytest.approx((6.0 + 2.0) / 2)}
+    assert sglang_suite.decode_figures(lines[3:]) == {}
+
+
+def test_sglang_servers_get_an_equal_share_of_the_whole_gpu_whatever_started_first(tmp_path, monkeypatch):
+    """SGLang reads ``--mem-fraction-static`` as a fraction of the memory free when it starts; ``serve-ab``
+    means a share of the whole GPU, so the flag grows with what earlier servers hold, and every pool gets the
+    same token cap. ``nvidia-smi`` is a script here (no GPU) printing the free MiB; the model is its config
+    and a weights file of 1 GiB."""
+    sglang_suite = load_sglang_suite(monkeypatch)
     model = tmp_path / "model"
     model.mkdir()
     config = {"num_hidden_layers": 32, "num_key_value_heads": 8, "hidden_size": 1024, "num_attention_heads": 8}

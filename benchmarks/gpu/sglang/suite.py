@@ -35,6 +35,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,41 @@ class SGLangServer(harness.Server):
             "pytorch",
             *extra,
         ]
+
+    def step_figures(self, since: int) -> dict[str, float]:
+        """:func:`decode_figures` of what the server logged past byte ``since``."""
+        with open(self.logpath) as f:
+            f.seek(since)
+            return decode_figures(f.read().splitlines())
+
+
+# One decode log line of SGLang (every ``decode_log_interval`` steps, 40 by default); its ``fwd occupancy``
+# (the share of the window's wall time that the GPU spent in forward passes, timed by CUDA events) is there
+# when the server runs with SGLANG_ENABLE_METRICS_DEVICE_TIMER=1, which every server of this harness does.
+DECODE_LINE = re.compile(
+    r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)(?:.*fwd occupancy: ([\d.]+|nan)%)?"
+)
+
+
+def decode_figures(lines: list[str]) -> dict[str, float]:
+    """Per decode step, from SGLang's decode log lines: the median wall time (``decode_step_ms``: running
+    requests over tokens per second, each window of steps) and the median time the GPU spent in the forward
+    pass (``decode_gpu_ms``: that wall time times the window's forward occupancy). Where the TPOT of two
+    servers differs, a larger GPU time puts the cost in the forward pass (its kernels, its memory), an equal
+    one in the scheduler around it. Empty without a decode line."""
+    walls, gpus = [], []
+    for line in lines:
+        found = DECODE_LINE.search(line)
+        if not found or float(found[2]) <= 0:
+            continue
+        wall = 1000 * int(found[1]) / float(found[2])
+        walls.append(wall)
+        if found[3] not in (None, "nan"):
+            gpus.append(wall * float(found[3]) / 100)
+    figures = {"decode_step_ms": harness.median_of(walls)} if walls else {}
+    if gpus:
+        figures["decode_gpu_ms"] = harness.median_of(gpus)
+    return figures
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -245,6 +281,7 @@ def main() -> int:
         parser.error("--pools: mla, mamba or both, comma-separated")
     args.offline_engine, args.server = os.path.join(HERE, "offline_engine.py"), SGLangServer
     os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("SGLANG_ENABLE_METRICS_DEVICE_TIMER", "1")  # the forward's GPU time: decode_figures
     harness.stop_servers_on_sigterm()
     args.model = args.model or harness.make_model(os.path.join(tempfile.gettempdir(), "kvcached-llama3-8b-kv"))
     with open(os.path.join(args.model, "config.json")) as f:

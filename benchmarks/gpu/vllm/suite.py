@@ -433,6 +433,15 @@ class Server:
                 notes["activation_hold_mib"] = int(text.rsplit("(", 1)[1].split()[0])
         return notes
 
+    def log_size(self) -> int:
+        """Bytes in the server's log now: where a later :meth:`step_figures` starts reading."""
+        return os.path.getsize(self.logpath)
+
+    def step_figures(self, since: int) -> dict[str, float]:
+        """The engine's per-step figures from its log past byte ``since``; none here (vLLM's counters give
+        them, :func:`engine_figures`)."""
+        return {}
+
     def metric(self, name: str) -> float | None:
         """A Prometheus counter of the server, or None (not exported by this engine or not enabled)."""
         return self.metrics(name)[name]
@@ -900,6 +909,7 @@ def serve_rate(
     processes profiled where ``KVCACHED_BENCH_PYSPY`` asks for it."""
     before, counters = driver_calls(server.name), server.metrics(*SERVE_COUNTERS)
     cpu, host, begin = cpu_seconds(server.proc.pid, server.ENGINE_PROCESS), host_cpu_seconds(), time.monotonic()
+    log_from = server.log_size()
     profiles = profile_server(server, f"{side}-{round_ + 1}", out) if profile else []
     clocks = GpuClocks()
     stats = asyncio.run(open_loop(server.port, server.name, token_prompts(n, 512, seed), rate, 128))
@@ -916,6 +926,7 @@ def serve_rate(
     if hits is not None and queries:
         stats["prefix_cache_hit_rate"] = hits / queries
     stats["engine"] = engine_figures(grew, {k: v - cpu.get(k, 0.0) for k, v in cpu_after.items()}, wall_s)
+    stats["engine"].update(server.step_figures(log_from))
     if kvcached:
         stats["driver_calls"] = {k: after[k] - before[k] for k in after}
     return stats
@@ -961,6 +972,8 @@ SERVE_METRICS = (
     "request_throughput",
     "engine_itl_ms",
     "engine_core_cores",
+    "decode_step_ms",
+    "decode_gpu_ms",
 )
 
 
