@@ -289,7 +289,12 @@ def test_sglang_decode_lines_give_the_step_and_the_gpu_time_per_step(monkeypatch
         "[2026-12-06 00:05:58] Prefill batch, #new-seq: 1, #new-token: 25, #running-req: 0",
     ]
     figures = sglang_suite.decode_figures(lines)
-    assert figures == {"decode_step_ms": 4.0, "decode_gpu_ms": pytest.approx((6.0 + 2.0) / 2)}
+    assert figures == {
+        "decode_step_ms": 4.0,
+        "decode_step_ms_per_ktoken": pytest.approx(0.2),  # windows of 8/40, 4/20 and 4/9 ms per ktoken
+        "decode_gpu_ms": pytest.approx((6.0 + 2.0) / 2),
+        "decode_gpu_ms_per_ktoken": pytest.approx((6.0 / 40 + 2.0 / 20) / 2),
+    }
     assert sglang_suite.decode_figures(lines[3:]) == {}
 
 

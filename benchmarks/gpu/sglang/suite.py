@@ -94,8 +94,17 @@ class SGLangServer(harness.Server):
             "triton",
             "--sampling-backend",
             "pytorch",
+            *self.front_end_flags(),
             *extra,
         ]
+
+    @staticmethod
+    def front_end_flags() -> list[str]:
+        """``KVCACHED_BENCH_API_SERVERS=N``: N HTTP and tokenizer processes (SGLang's
+        ``--tokenizer-worker-num``), as the vLLM harness starts N API servers. One of them streaming 64
+        requests/s is busy for most of a core on an H100 and stalls now and then (results run 7)."""
+        workers = int(os.environ.get("KVCACHED_BENCH_API_SERVERS", "1"))
+        return ["--tokenizer-worker-num", str(workers)] if workers > 1 else []
 
     def step_figures(self, since: int) -> dict[str, float]:
         """:func:`decode_figures` of what the server logged past byte ``since``."""
@@ -108,28 +117,35 @@ class SGLangServer(harness.Server):
 # (the share of the window's wall time that the GPU spent in forward passes, timed by CUDA events) is there
 # when the server runs with SGLANG_ENABLE_METRICS_DEVICE_TIMER=1, which every server of this harness does.
 DECODE_LINE = re.compile(
-    r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)(?:.*fwd occupancy: ([\d.]+|nan)%)?"
+    r"Decode batch, #running-req: (\d+), #token: (\d+), .*gen throughput \(token/s\): ([\d.]+)"
+    r"(?:.*fwd occupancy: ([\d.]+|nan)%)?"
 )
 
 
 def decode_figures(lines: list[str]) -> dict[str, float]:
-    """Per decode step, from SGLang's decode log lines: the median wall time (``decode_step_ms``: running
-    requests over tokens per second, each window of steps) and the median time the GPU spent in the forward
-    pass (``decode_gpu_ms``: that wall time times the window's forward occupancy). Where the TPOT of two
-    servers differs, a larger GPU time puts the cost in the forward pass (its kernels, its memory), an equal
-    one in the scheduler around it. Empty without a decode line."""
-    walls, gpus = [], []
+    """Per decode step, from SGLang's decode log lines (each a window of steps), medians over the windows:
+    the wall time (``decode_step_ms``: running requests over tokens per second) and the time the GPU spent
+    in the forward pass (``decode_gpu_ms``: that wall time times the window's forward occupancy); and both
+    per thousand tokens of KV the batch reads (``..._per_ktoken``). A step's time grows with the tokens in
+    flight, so two servers given the same arrivals are compared per token: where a server ends up with
+    more requests in flight (its client stalled and sent a burst), its steps are longer at the same cost
+    per token. Empty without a decode line."""
+    walls, gpus, walls_k, gpus_k = [], [], [], []
     for line in lines:
         found = DECODE_LINE.search(line)
-        if not found or float(found[2]) <= 0:
+        if not found or float(found[3]) <= 0 or int(found[2]) == 0:
             continue
-        wall = 1000 * int(found[1]) / float(found[2])
+        wall, ktokens = 1000 * int(found[1]) / float(found[3]), int(found[2]) / 1000
         walls.append(wall)
-        if found[3] not in (None, "nan"):
-            gpus.append(wall * float(found[3]) / 100)
-    figures = {"decode_step_ms": harness.median_of(walls)} if walls else {}
-    if gpus:
-        figures["decode_gpu_ms"] = harness.median_of(gpus)
+        walls_k.append(wall / ktokens)
+        if found[4] not in (None, "nan"):
+            gpus.append(wall * float(found[4]) / 100)
+            gpus_k.append(gpus[-1] / ktokens)
+    figures = {}
+    for name, values in (("decode_step_ms", walls), ("decode_gpu_ms", gpus)):
+        if values:
+            figures[name] = harness.median_of(values)
+            figures[f"{name}_per_ktoken"] = harness.median_of(walls_k if values is walls else gpus_k)
     return figures
 
 

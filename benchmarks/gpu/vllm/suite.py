@@ -974,6 +974,8 @@ SERVE_METRICS = (
     "engine_core_cores",
     "decode_step_ms",
     "decode_gpu_ms",
+    "decode_step_ms_per_ktoken",
+    "decode_gpu_ms_per_ktoken",
 )
 
 
