@@ -142,10 +142,10 @@ def decode_figures(lines: list[str]) -> dict[str, float]:
             gpus.append(wall * float(found[4]) / 100)
             gpus_k.append(gpus[-1] / ktokens)
     figures = {}
-    for name, values in (("decode_step_ms", walls), ("decode_gpu_ms", gpus)):
+    for name, values, per_ktoken in (("decode_step_ms", walls, walls_k), ("decode_gpu_ms", gpus, gpus_k)):
         if values:
             figures[name] = harness.median_of(values)
-            figures[f"{name}_per_ktoken"] = harness.median_of(walls_k if values is walls else gpus_k)
+            figures[f"{name}_per_ktoken"] = harness.median_of(per_ktoken)
     return figures
 
 
