@@ -98,12 +98,12 @@ class SGLangServer(harness.Server):
             *extra,
         ]
 
-    @staticmethod
-    def front_end_flags() -> list[str]:
-        """``KVCACHED_BENCH_API_SERVERS=N``: N HTTP and tokenizer processes (SGLang's
-        ``--tokenizer-worker-num``), as the vLLM harness starts N API servers. One of them streaming 64
-        requests/s is busy for most of a core on an H100 and stalls now and then (results run 7)."""
-        workers = int(os.environ.get("KVCACHED_BENCH_API_SERVERS", "1"))
+    @classmethod
+    def front_end_flags(cls) -> list[str]:
+        """:meth:`front_ends` HTTP and tokenizer processes (SGLang's ``--tokenizer-worker-num``), as the vLLM
+        harness starts that many API servers. One of them streaming 64 requests/s is busy for most of a core
+        on an H100 and stalls now and then (results run 7)."""
+        workers = cls.front_ends()
         return ["--tokenizer-worker-num", str(workers)] if workers > 1 else []
 
     def step_figures(self, since: int) -> dict[str, float]:

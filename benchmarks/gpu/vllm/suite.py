@@ -364,12 +364,16 @@ class Server:
         )
         self.started = time.monotonic()
 
+    @staticmethod
+    def front_ends() -> int:
+        """``KVCACHED_BENCH_API_SERVERS``: the HTTP front-end processes each server starts (default 1)."""
+        return int(os.environ.get("KVCACHED_BENCH_API_SERVERS", "1"))
+
     def command(self, model: str, extra: list[str]) -> list[str]:
         # One Python API server bounds a saturation wave on the H200 (results run 18: ~1 core busy while
         # EngineCore idled); KVCACHED_BENCH_API_SERVERS=N starts N of them the way `vllm serve` does.
-        api_servers = int(os.environ.get("KVCACHED_BENCH_API_SERVERS", "1"))
-        if api_servers > 1:
-            entry = ["vllm.entrypoints.cli.main", "serve", model, "--api-server-count", str(api_servers)]
+        if self.front_ends() > 1:
+            entry = ["vllm.entrypoints.cli.main", "serve", model, "--api-server-count", str(self.front_ends())]
         else:
             entry = ["vllm.entrypoints.openai.api_server", "--model", model]
         return [
