@@ -1,11 +1,18 @@
 """Burst growth: how fast a manager goes from nothing mapped to N GiB of KV blocks, how fast it gives them
 back, and how that compares with the fastest way the device has to make the same bytes usable.
 
-    python benchmarks/growth.py [--device cpu|cuda[:N]] [--gib 1 4 16] [--page-mib 2 ...] [--json] [--out FILE]
+    python benchmarks/growth.py [--device cpu|cuda[:N]] [--gib 1 4 16] [--page-mib 2 ...]
+                                [--layout engine block-outer] [--json] [--out FILE]
 
-For each size and page size (``--page-mib``, default 2: what a coarser page buys in bandwidth and costs in
-elasticity), on a fresh manager (16 layers x K/V = 32 buffers of 16 KiB blocks, the pool at its default
-target):
+For each size, page size (``--page-mib``, default 2: what a coarser page buys in bandwidth and costs in
+elasticity) and layout, on a fresh manager (the pool at its default target) of 16 layers' K and V:
+
+- layout ``engine`` (default): 32 buffers of 16 KiB blocks, one per layer and K/V (vLLM's own layout): a page
+  id is a page in each of the 32 buffers, so the unit given back is 32 pages;
+- layout ``block-outer``: one buffer of 512 KiB blocks, every layer's K and V of a block side by side
+  (``KVCACHED_KV_LAYOUT=block-outer``): the unit given back is one page.
+
+The patterns:
 
 - ``alloc1``: ``alloc(1)`` repeated until the blocks of N GiB are held (an engine's decode steps);
 - ``request``: ``alloc(128)`` repeated, one 2048-token request of 16-token blocks at a time (a prefill burst);
@@ -39,15 +46,18 @@ LAYERS, KV = 16, 2
 BLOCK_BYTES = 16 * 1024  # per buffer: 16 tokens of a 8-head x 64-dim fp16 layer
 REQUEST_BLOCKS = 128  # a 2048-token request of 16-token blocks
 GEOMETRY = {"layers": LAYERS, "kv_buffers": KV, "block_bytes": BLOCK_BYTES, "request_blocks": REQUEST_BLOCKS}
+# layout -> (buffers' layers, K/V buffers per layer, bytes of one block in a buffer): the same KV either way.
+LAYOUTS = {"engine": (LAYERS, KV, BLOCK_BYTES), "block-outer": (1, 1, LAYERS * KV * BLOCK_BYTES)}
 FLOOR_HANDLES = (32 * MiB, 512 * MiB)
 FLOOR_ITERATIONS = 8
 
 
-def make_manager(device: str, total_bytes: int, page_bytes: int) -> KVCacheManager:
+def make_manager(device: str, total_bytes: int, page_bytes: int, layout: str = "engine") -> KVCacheManager:
     """A manager whose blocks fill exactly ``total_bytes`` of mapped memory when all are held."""
-    num_blocks = total_bytes // (BLOCK_BYTES * LAYERS * KV)
+    layers, kv, block_bytes = LAYOUTS[layout]
+    num_blocks = total_bytes // (block_bytes * layers * kv)
     return KVCacheManager(
-        num_blocks, BLOCK_BYTES, LAYERS, KV, device=device, name="bench-growth", page_bytes=page_bytes
+        num_blocks, block_bytes, layers, kv, device=device, name="bench-growth", page_bytes=page_bytes
     )
 
 
@@ -98,15 +108,19 @@ def host_floor_gib_s(total_bytes: int) -> float:
     return rate(total_bytes, seconds)
 
 
-def measure(device: str, gib: int, page_bytes: int, repeats: int, floor: dict[str, Any] | None) -> dict[str, Any]:
+def measure(
+    device: str, gib: int, page_bytes: int, repeats: int, floor: dict[str, Any] | None, layout: str = "engine"
+) -> dict[str, Any]:
     """Each pattern ``repeats`` times on fresh managers, alternating; the median run of each is reported."""
     total = gib * GiB
-    result: dict[str, Any] = {"bytes": total, "page_bytes": page_bytes}
+    layers, kv, _ = LAYOUTS[layout]
+    result: dict[str, Any] = {"bytes": total, "page_bytes": page_bytes, "layout": layout}
+    result["unit_bytes"] = page_bytes * layers * kv  # what one page id maps, and gives back
     runs: dict[str, list[float]] = {"alloc1": [], "request": [], "shrink": []}
     mapped = 0
     for _ in range(repeats):
         for pattern, per_call in (("alloc1", 1), ("request", REQUEST_BLOCKS)):
-            with make_manager(device, total, page_bytes) as mgr:
+            with make_manager(device, total, page_bytes, layout) as mgr:
                 seconds, held = grow(mgr, per_call)
                 mapped = mgr.snapshot()["mapped_bytes"]
                 runs[pattern].append(seconds)
@@ -125,10 +139,14 @@ def measure(device: str, gib: int, page_bytes: int, repeats: int, floor: dict[st
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"growth on {report['device']} (GiB/s of mapped memory; floor/growth: how far from the device's best)"]
-    lines.append(f"{'run':>9} {'alloc(1)':>10} {'x floor':>8} {'alloc(128)':>11} {'x floor':>8} {'shrink':>8} floor")
+    lines.append(
+        f"{'run':>19} {'unit MiB':>8} {'alloc(1)':>10} {'x floor':>8} {'alloc(128)':>11} {'x floor':>8} "
+        f"{'shrink':>8} floor"
+    )
     for run, r in report["results"].items():
         lines.append(
-            f"{run:>9} {r['alloc1']['gib_s']:>10} {r['alloc1']['floor_over_growth']:>8} {r['request']['gib_s']:>11} "
+            f"{run:>19} {r['unit_bytes'] // MiB:>8} {r['alloc1']['gib_s']:>10} {r['alloc1']['floor_over_growth']:>8} "
+            f"{r['request']['gib_s']:>11} "
             f"{r['request']['floor_over_growth']:>8} {r['shrink']['gib_s']:>8} {r['floor_gib_s']}"
         )
     return "\n".join(lines)
@@ -138,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = benchmark_parser("Burst growth and shrink bandwidth of a kvcached manager, against the device floor.")
     parser.add_argument("--gib", type=int, nargs="+", default=[1, 4, 16], help="sizes in GiB (default 1 4 16)")
     parser.add_argument("--page-mib", type=int, nargs="+", default=[2], help="page sizes in MiB (default 2)")
+    parser.add_argument(
+        "--layout", nargs="+", choices=sorted(LAYOUTS), default=["engine"], help="KV layouts to measure (engine)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each pattern; the median is kept (3)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and "cuda" not in kvcached_core.available_backends():
@@ -148,9 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with make_manager(args.device, 256 * MiB, 2 * MiB) as warm:
         shrink(warm, grow(warm, REQUEST_BLOCKS)[1])
     floor = cuda_floor_gib_s(args.device) if args.device.startswith("cuda") else None
-    # Keyed "<GiB>G/<page MiB>M".
+    # Keyed "<GiB>G/<page MiB>M", with "/block-outer" for that layout.
     results = {
-        f"{g}G/{p}M": measure(args.device, g, p * MiB, args.repeats, floor) for p in args.page_mib for g in args.gib
+        f"{g}G/{p}M" + ("" if layout == "engine" else f"/{layout}"): measure(
+            args.device, g, p * MiB, args.repeats, floor, layout
+        )
+        for layout in args.layout
+        for p in args.page_mib
+        for g in args.gib
     }
     report = {
         **report_head("growth", args.device),

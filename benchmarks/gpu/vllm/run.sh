@@ -86,7 +86,7 @@ run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in th
         --out "$out/alloc_free_backstop$on.json" > /dev/null 2>> "$out/alloc_free.log")
     done
     (cd /tmp && "$py" "$repo/benchmarks/gpu/probe_slices.py" --out "$out/probe_slices.json" > /dev/null 2>> "$out/alloc_free.log")
-    (cd /tmp && "$py" "$repo/benchmarks/growth.py" --device cuda:0 --page-mib 2 8 32 --out "$out/growth.json" 2>> "$out/alloc_free.log")
+    (cd /tmp && "$py" "$repo/benchmarks/growth.py" --device cuda:0 --page-mib 2 8 32 --layout engine block-outer --out "$out/growth.json" 2>> "$out/alloc_free.log")
     (cd /tmp && "$py" "$repo/benchmarks/map_ahead.py" --device cuda:0 --steps 256 --out "$out/map_ahead.json" > /dev/null 2>> "$out/alloc_free.log")
     echo "[core] $(tail -1 "$out/pytest-core.log")"
   elif [ "$phase" = tests ]; then
