@@ -213,6 +213,24 @@ def test_serve_pairs_each_wave_with_vanillas_same_round_and_wave():
     assert by_side["ratio_kvcached"]["ttft_p50"] is None  # not recorded: no ratio rather than an error
 
 
+def test_decode_gpu_time_is_compared_at_equal_load_over_the_bands_both_servers_reached():
+    """A server that ran with more tokens in flight logs longer steps at the same cost per band: the
+    equal-load ratio compares band by band, only where both have steps, and is absent where none is shared."""
+
+    def run(round_: int, by_load: dict[str, float]) -> dict:
+        figures = {"ok": 480, "failed": 0, "errors": [], "request_throughput": 60.0}
+        return {"round": round_, "wave": 0, **figures, "engine": {"decode_gpu_ms_by_load": by_load}}
+
+    by_side = {
+        "vanilla_rounds": [run(0, {"20": 5.0, "25": 5.5, "30": 6.0}), run(1, {"20": 5.0}), run(2, {"30": 6.0})],
+        "kvcached_rounds": [run(0, {"25": 6.05, "30": 6.0, "40": 9.0}), run(1, {"20": 4.5}), run(2, {"40": 9.0})],
+    }
+    suite.summarise_rounds(by_side, ["vanilla", "kvcached"])
+    # round 0: bands 25 (1.1) and 30 (1.0) in common, median 1.05; round 1: 0.9; round 2: no band in common
+    assert by_side["ratio_range_kvcached"]["decode_gpu_ms_equal_load"] == [pytest.approx(0.9), pytest.approx(1.05)]
+    assert by_side["ratio_kvcached"]["decode_gpu_ms_equal_load"] == pytest.approx((0.9 + 1.05) / 2)
+
+
 def test_a_serve_file_written_mid_run_holds_the_pairs_finished_so_far(tmp_path):
     """``serve`` and ``serve-ab`` rewrite their file after every rate or round; a run the budget cuts keeps
     the ratios of the pairs it finished (run 18 lost them: they were computed only at the phase's end)."""
@@ -294,6 +312,7 @@ def test_sglang_decode_lines_give_the_step_and_the_gpu_time_per_step(monkeypatch
         "decode_step_ms_per_ktoken": pytest.approx(0.2),  # windows of 8/40, 4/20 and 4/9 ms per ktoken
         "decode_gpu_ms": pytest.approx((6.0 + 2.0) / 2),
         "decode_gpu_ms_per_ktoken": pytest.approx((6.0 / 40 + 2.0 / 20) / 2),
+        "decode_gpu_ms_by_load": {"20": pytest.approx(2.0), "40": pytest.approx(6.0)},  # bands of 5k tokens
     }
     assert sglang_suite.decode_figures(lines[3:]) == {}
 

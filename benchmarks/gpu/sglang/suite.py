@@ -36,10 +36,12 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import urllib.request
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "vllm"))
@@ -106,7 +108,7 @@ class SGLangServer(harness.Server):
         workers = cls.front_ends()
         return ["--tokenizer-worker-num", str(workers)] if workers > 1 else []
 
-    def step_figures(self, since: int) -> dict[str, float]:
+    def step_figures(self, since: int) -> dict[str, Any]:
         """:func:`decode_figures` of what the server logged past byte ``since``."""
         with open(self.logpath) as f:
             f.seek(since)
@@ -122,15 +124,24 @@ DECODE_LINE = re.compile(
 )
 
 
-def decode_figures(lines: list[str]) -> dict[str, float]:
+# Windows of decode steps are grouped by the KV tokens in flight, in bands this wide, for the equal-load
+# comparison (``decode_gpu_ms_by_load``).
+LOAD_BAND_KTOKENS = 5
+
+
+def decode_figures(lines: list[str]) -> dict[str, Any]:
     """Per decode step, from SGLang's decode log lines (each a window of steps), medians over the windows:
     the wall time (``decode_step_ms``: running requests over tokens per second) and the time the GPU spent
     in the forward pass (``decode_gpu_ms``: that wall time times the window's forward occupancy); and both
     per thousand tokens of KV the batch reads (``..._per_ktoken``). A step's time grows with the tokens in
     flight, so two servers given the same arrivals are compared per token: where a server ends up with
     more requests in flight (its client stalled and sent a burst), its steps are longer at the same cost
-    per token. Empty without a decode line."""
+    per token. Per token still favours the busier server (a step's fixed cost is spread over more tokens),
+    so ``decode_gpu_ms_by_load`` also keeps the GPU time per step by band of tokens in flight (the band's
+    lower end in thousands, as a string key: JSON), for a comparison at equal load
+    (:func:`harness.equal_load_ratio`). Empty without a decode line."""
     walls, gpus, walls_k, gpus_k = [], [], [], []
+    bands: dict[str, list[float]] = {}
     for line in lines:
         found = DECODE_LINE.search(line)
         if not found or float(found[3]) <= 0 or int(found[2]) == 0:
@@ -141,11 +152,15 @@ def decode_figures(lines: list[str]) -> dict[str, float]:
         if found[4] not in (None, "nan"):
             gpus.append(wall * float(found[4]) / 100)
             gpus_k.append(gpus[-1] / ktokens)
-    figures = {}
+            band = str(int(ktokens // LOAD_BAND_KTOKENS) * LOAD_BAND_KTOKENS)
+            bands.setdefault(band, []).append(gpus[-1])
+    figures: dict[str, Any] = {}
     for name, values, per_ktoken in (("decode_step_ms", walls, walls_k), ("decode_gpu_ms", gpus, gpus_k)):
         if values:
             figures[name] = harness.median_of(values)
             figures[f"{name}_per_ktoken"] = harness.median_of(per_ktoken)
+    if bands:
+        figures["decode_gpu_ms_by_load"] = {band: statistics.median(ms) for band, ms in sorted(bands.items())}
     return figures
 
 

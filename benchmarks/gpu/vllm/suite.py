@@ -1012,8 +1012,18 @@ def summarise_rounds(by_side: dict, sides: list[str]) -> None:
             m: [serve_figure(k, m) / serve_figure(v, m) for v, k in pairs if serve_figure(v, m) and serve_figure(k, m)]
             for m in SERVE_METRICS
         }
+        ratios["decode_gpu_ms_equal_load"] = [r for v, k in pairs if (r := equal_load_ratio(v, k)) is not None]
         by_side[f"ratio_{side}"] = {m: median_of(r) for m, r in ratios.items()}
         by_side[f"ratio_range_{side}"] = {m: [min(r), max(r)] if r else None for m, r in ratios.items()}
+
+
+def equal_load_ratio(vanilla: dict, other: dict) -> float | None:
+    """One pair's GPU time per decode step at equal load: the median, over the bands of tokens in flight
+    where both servers logged steps (``decode_gpu_ms_by_load`` of the engine's figures), of the ratio of
+    their GPU times. Unlike a ratio of medians or per token, a server that ran with more requests in flight
+    (after a burst) is not compared at another load. None where either has no band, or none in common."""
+    mine, theirs = (run.get("engine", {}).get("decode_gpu_ms_by_load") or {} for run in (other, vanilla))
+    return median_of([mine[band] / theirs[band] for band in mine if theirs.get(band)])
 
 
 def median_of(values: list[float | None]) -> float | None:
