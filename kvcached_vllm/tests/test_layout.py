@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import for_releases, unpatched
+from conftest import for_releases, installed_unit, unpatched
 
 from kvcached_vllm.patches import FLAT, PER_TENSOR
 
@@ -50,8 +50,8 @@ def test_views_over_kvcached_memory(executor, tmp_path, monkeypatch):
 
     from kvcached_vllm import runtime
     from kvcached_vllm.engine import buffer_bytes, kv_cache_configs_flat
-    from kvcached_vllm.worker import allocate_flat
 
+    allocate = installed_unit("allocate-kv-cache")
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
     config = layer_outer_config()
     [config] = kv_cache_configs_flat(
@@ -62,7 +62,7 @@ def test_views_over_kvcached_memory(executor, tmp_path, monkeypatch):
     try:
         # What the page-size rule is told a buffer holds is what the planner's buffers hold.
         assert buffer_bytes(config) == planner.num_blocks * planner.block_bytes == N * PAGE
-        caches = allocate_flat(unpatched(utils.allocate_kv_cache), config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        caches = allocate(unpatched(utils.allocate_kv_cache), config, torch.device("cpu"), KVCacheLayout.LBHNC)
         assert set(caches) == {"l0", "l1"} and caches["l0"].shape[0] == N
         ids = planner.alloc(3)  # what the scheduler's BlockPool does
         runtime.sync_mirrors()  # what every worker does before a step (nothing to do on the direct path)

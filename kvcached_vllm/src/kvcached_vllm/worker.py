@@ -49,6 +49,11 @@ class _TorchServingBackings:
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
+    def check_all_served(self) -> None:
+        """BackingMismatch unless vLLM took every backing."""
+        if self.served != len(self._backings):
+            raise BackingMismatch(f"vLLM allocated {self.served} KV buffers; kvcached planned {len(self._backings)}")
+
 
 def call_with_backings(
     function: Callable[..., Any], backings: Sequence[torch.Tensor], *args: Any, **kwargs: Any
@@ -65,8 +70,7 @@ def call_with_backings(
     )
     clone.__kwdefaults__ = code.__kwdefaults__
     result = clone(*args, **kwargs)
-    if stand_in.served != len(backings):
-        raise BackingMismatch(f"vLLM allocated {stand_in.served} KV buffers; kvcached planned {len(backings)}")
+    stand_in.check_all_served()
     return result
 
 
@@ -96,6 +100,24 @@ def allocate_flat(
     if backings is None:
         return original(kv_cache_config, device, *args, **kwargs)
     return call_with_backings(original, backings, kv_cache_config, device, *args, **kwargs)
+
+
+def allocate_flat_through_hook(
+    original: Callable[..., dict], kv_cache_config: Any, device: torch.device, *args: Any, **kwargs: Any
+) -> dict:
+    """AROUND ``vllm.v1.worker.utils.allocate_kv_cache`` (0.34 on; and its by-name import): as
+    :func:`allocate_flat`, the backing handed to vLLM through the allocator parameter it takes since 0.34
+    (where its backing allocation left the function). vLLM passes one only for its extensible KV cache,
+    which kvcached turns off (the ``vllm-extensible-cache-off`` unit): one here is a BackingMismatch."""
+    backings = _backings(kv_cache_config, device)
+    if backings is None:
+        return original(kv_cache_config, device, *args, **kwargs)
+    if len(args) > 2 or kwargs.get("allocate") is not None:
+        raise BackingMismatch("vLLM passed its own KV allocator (its extensible KV cache), which kvcached turns off")
+    stand_in = _TorchServingBackings(backings)
+    result = original(kv_cache_config, device, *args, allocate=lambda n: stand_in.zeros(n, dtype=torch.int8), **kwargs)
+    stand_in.check_all_served()
+    return result
 
 
 def allocate_tensors_v1(original: Callable[..., dict], runner: Any, kv_cache_config: Any) -> dict:
