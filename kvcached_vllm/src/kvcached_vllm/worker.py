@@ -112,7 +112,7 @@ def allocate_flat_through_hook(
     backings = _backings(kv_cache_config, device)
     if backings is None:
         return original(kv_cache_config, device, *args, **kwargs)
-    if len(args) > 2 or kwargs.get("allocate") is not None:
+    if len(args) > 2 or kwargs.pop("allocate", None) is not None:
         raise BackingMismatch("vLLM passed its own KV allocator (its extensible KV cache), which kvcached turns off")
     stand_in = _TorchServingBackings(backings)
     result = original(kv_cache_config, device, *args, allocate=lambda n: stand_in.zeros(n, dtype=torch.int8), **kwargs)
