@@ -160,7 +160,8 @@ def decode_figures(lines: list[str]) -> dict[str, Any]:
             figures[name] = harness.median_of(values)
             figures[f"{name}_per_ktoken"] = harness.median_of(per_ktoken)
     if bands:
-        figures["decode_gpu_ms_by_load"] = {band: statistics.median(ms) for band, ms in sorted(bands.items())}
+        by_band = sorted(bands.items(), key=lambda item: int(item[0]))
+        figures["decode_gpu_ms_by_load"] = {band: statistics.median(ms) for band, ms in by_band}
     return figures
 
 
