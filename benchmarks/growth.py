@@ -146,8 +146,8 @@ def format_table(report: dict[str, Any]) -> str:
     for run, r in report["results"].items():
         lines.append(
             f"{run:>19} {r['unit_bytes'] // MiB:>8} {r['alloc1']['gib_s']:>10} {r['alloc1']['floor_over_growth']:>8} "
-            f"{r['request']['gib_s']:>11} "
-            f"{r['request']['floor_over_growth']:>8} {r['shrink']['gib_s']:>8} {r['floor_gib_s']}"
+            f"{r['request']['gib_s']:>11} {r['request']['floor_over_growth']:>8} {r['shrink']['gib_s']:>8} "
+            f"{r['floor_gib_s']}"
         )
     return "\n".join(lines)
 

@@ -372,8 +372,9 @@ class Server:
     def command(self, model: str, extra: list[str]) -> list[str]:
         # One Python API server bounds a saturation wave on the H200 (results run 18: ~1 core busy while
         # EngineCore idled); KVCACHED_BENCH_API_SERVERS=N starts N of them the way `vllm serve` does.
-        if self.front_ends() > 1:
-            entry = ["vllm.entrypoints.cli.main", "serve", model, "--api-server-count", str(self.front_ends())]
+        api_servers = self.front_ends()
+        if api_servers > 1:
+            entry = ["vllm.entrypoints.cli.main", "serve", model, "--api-server-count", str(api_servers)]
         else:
             entry = ["vllm.entrypoints.openai.api_server", "--model", model]
         return [

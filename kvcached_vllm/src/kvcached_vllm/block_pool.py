@@ -182,7 +182,8 @@ class ElasticBlockPool(BlockPool):
             freed += 1
             if caching and block.block_hash is not None:
                 cached_free[block_id] = None
-                cached_now.append(block_id)
+                if evict_first:
+                    cached_now.append(block_id)
                 cached_by_page.setdefault(page, {})[block_id] = None
             else:
                 released.append(block_id)

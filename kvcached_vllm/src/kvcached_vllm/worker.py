@@ -112,6 +112,7 @@ def allocate_flat_through_hook(
     backings = _backings(kv_cache_config, device)
     if backings is None:
         return original(kv_cache_config, device, *args, **kwargs)
+    # After (kv_cache_config, device): layout, kernel_block_sizes, then allocate.
     if len(args) > 2 or kwargs.pop("allocate", None) is not None:
         raise BackingMismatch("vLLM passed its own KV allocator (its extensible KV cache), which kvcached turns off")
     stand_in = _TorchServingBackings(backings)
