@@ -101,8 +101,9 @@ def alive(pid: int) -> bool:
 
 def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_refuses_other_traffic(tmp_path):
     """``run.py compare`` on the multimodel benchmark's own JSON: a static run written before ``--pattern``
-    existed (no pattern field; it replayed staggered bursts) compares with a staggered elastic run, and a
-    run of different traffic is refused with the option that differs."""
+    existed (no pattern field; it replayed staggered bursts) compares with a staggered elastic run, the
+    elastic engines' peak and median mapped KV are reported, and a run of different traffic is refused with
+    the option that differs."""
     path = os.path.join(os.path.dirname(HARNESS), "multimodel", "run.py")
     spec = importlib.util.spec_from_file_location("multimodel_run", path)  # "run" alone would be ambiguous
     multimodel = sys.modules["multimodel_run"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
@@ -110,12 +111,17 @@ def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_r
 
     traffic = {"duration": 10.0, "period_s": 40.0, "burst_s": 10.0, "burst_rate": 40.0, "idle_rate": 0.5}
     request = {"model": 0, "ok": True, "ttft": 0.2, "tpot": 0.01, "end_s": 5.0}
+    gib = 1 << 30
+    kv = [{"t": t, "m": n * gib} for t, n in ((0.0, 1), (0.05, 9), (0.1, 4))]
     for config, pattern, ttft in (("static", {}, 0.4), ("elastic", {"pattern": "staggered"}, 0.1)):
         run = {"models": ["m"], "traffic": {**traffic, **pattern}, "requests": [{**request, "ttft": ttft}] * 2}
+        if config == "elastic":
+            run["kv_samples"] = kv
         (tmp_path / f"{config}_x2.json").write_text(json.dumps(run))
     args = argparse.Namespace(models=2, pattern="staggered", out=str(tmp_path), slo_s=1.0)
     summary = multimodel.compare(args)
     assert summary["per_model"]["m"]["elastic_over_static"]["ttft_p50"] == pytest.approx(0.25)
+    assert summary["elastic_kv_gib"] == {"m": {"peak": 9.0, "median": 4.0}}
     assert (tmp_path / "multimodel_x2.png").stat().st_size > 0
 
     elastic = json.loads((tmp_path / "elastic_x2.json").read_text())

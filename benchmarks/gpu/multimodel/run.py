@@ -275,10 +275,26 @@ def compare(args: argparse.Namespace) -> dict:
             for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "requests_per_s")
         }
         summary["per_model"][name] = row
+    summary["elastic_kv_gib"] = kv_held(runs["elastic"].get("kv_samples", []), models)
     summary["preemptions"] = {c: runs[c].get("preemptions") for c in runs}
     summary["errors"] = {c: runs[c]["error"] for c in runs if "error" in runs[c]}
     plot(runs, summary, os.path.join(args.out, f"{run_name(args, 'multimodel')}.png"))
     return summary
+
+
+def kv_held(samples: list[dict], models: list[str]) -> dict:
+    """Per engine of the elastic run, the KV it mapped (GiB): its peak and its median over the samples. One
+    engine holding most of the GPU at the median while a neighbour's requests queue is the starvation that a
+    static slice prevents; the plot shows it over time, this puts it in numbers."""
+    held = {}
+    for m in models:
+        values = sorted(s[m] for s in samples if m in s)
+        held[m] = (
+            {"peak": round(values[-1] / harness.GiB, 2), "median": round(values[len(values) // 2] / harness.GiB, 2)}
+            if values
+            else None
+        )
+    return held
 
 
 def plot(runs: dict, summary: dict, path: str) -> None:
