@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from probe_slices import SLAB, Driver, report
+from probe_slices import SLAB, Driver, open_driver, report
 
 BUFFERS = 32
 
@@ -93,10 +93,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.gib < 1:
         parser.error("--gib must be at least 1")
-    try:
-        drv = Driver(args.device)
-    except (OSError, RuntimeError) as exc:
-        print(f"probe_ranges: no usable CUDA driver here ({exc}); run it on a GPU machine")
+    drv = open_driver("probe_ranges", args.device)
+    if drv is None:
         return 2
     report({"probe": "ranges", "device": args.device, "variants": probe(drv, args.gib << 30)}, args.out)
     return 0

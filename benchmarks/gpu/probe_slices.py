@@ -222,6 +222,15 @@ def probe(drv: Driver, total: int) -> dict:
     return out
 
 
+def open_driver(probe_name: str, device: int) -> Driver | None:
+    """The probe's :class:`Driver` on ``device``, or None after one line saying why (no driver here)."""
+    try:
+        return Driver(device)
+    except (OSError, RuntimeError) as exc:
+        print(f"{probe_name}: no usable CUDA driver here ({exc}); run it on a GPU machine")
+        return None
+
+
 def open_torch_device(probe_name: str, device: int):
     """torch on ``device`` with CUDA initialised, and the probe's :class:`Driver` on the same context, or
     None after one line saying why (no torch, no CUDA device, no driver): for probes that also run kernels."""
@@ -253,10 +262,8 @@ def main() -> int:
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    try:
-        drv = Driver(args.device)
-    except (OSError, RuntimeError) as exc:
-        print(f"probe_slices: no usable CUDA driver here ({exc}); run it on a GPU machine")
+    drv = open_driver("probe_slices", args.device)
+    if drv is None:
         return 2
     report({"probe": "slices", "device": args.device, "variants": probe(drv, args.gib << 30)}, args.out)
     return 0
