@@ -78,9 +78,9 @@ run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in th
   if [ "$phase" = core ]; then
     # The core's GPU tests, the map path with the backstop on and off (what one more driver call costs),
     # what the driver charges for each way of mapping a burst (benchmarks/gpu/probe_slices.py) and whether
-    # it depends on the range a page lands in (probe_ranges.py), burst
-    # growth against the driver's floor (benchmarks/growth.py), and what a KV cache growing step by step
-    # pays per allocation without and with mapping ahead (benchmarks/map_ahead.py).
+    # it depends on the range a page lands in (probe_ranges.py), burst growth against the driver's floor
+    # (benchmarks/growth.py; 32 MiB pages also with the backstop off), and what a KV cache growing step by
+    # step pays per allocation without and with mapping ahead (benchmarks/map_ahead.py).
     (cd /tmp && "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_gpu.py" > "$out/pytest-core.log" 2>&1)
     for on in 1 0; do
       (cd /tmp && KVCACHED_BACKSTOP=$on "$py" "$repo/benchmarks/alloc_free.py" --device cuda:0 --json \
@@ -89,6 +89,8 @@ run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in th
     (cd /tmp && "$py" "$repo/benchmarks/gpu/probe_slices.py" --out "$out/probe_slices.json" > /dev/null 2>> "$out/alloc_free.log")
     (cd /tmp && "$py" "$repo/benchmarks/gpu/probe_ranges.py" --out "$out/probe_ranges.json" > /dev/null 2>> "$out/alloc_free.log")
     (cd /tmp && "$py" "$repo/benchmarks/growth.py" --device cuda:0 --page-mib 2 8 32 --layout engine block-outer --out "$out/growth.json" 2>> "$out/alloc_free.log")
+    # The same growth with the backstop off: how much of the distance to the floor its unmap is.
+    (cd /tmp && KVCACHED_BACKSTOP=0 "$py" "$repo/benchmarks/growth.py" --device cuda:0 --page-mib 32 --out "$out/growth_backstop0.json" 2>> "$out/alloc_free.log")
     (cd /tmp && "$py" "$repo/benchmarks/map_ahead.py" --device cuda:0 --steps 256 --out "$out/map_ahead.json" > /dev/null 2>> "$out/alloc_free.log")
     echo "[core] $(tail -1 "$out/pytest-core.log")"
   elif [ "$phase" = tests ]; then
