@@ -500,3 +500,55 @@ def test_no_hold_when_it_is_off_or_shorter_than_the_pools_own_window(tmp_path, m
     finally:
         short.close()
         long.close()
+
+
+def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_after_the_wait(tmp_path, monkeypatch):
+    """Fair share's two strengths on a 64 MiB host budget (this process 48 MiB, a neighbour 16): a pool whose
+    plugin gates admissions gets an admission cap at the neighbour's first shortfall (new requests wait,
+    allocations go on: nothing is preempted); once the neighbour has been short for
+    ``KVCACHED_FAIR_SHARE_WAIT_MS`` the cap holds every block; when its claim ends, both lift."""
+    from conftest import wait_for
+
+    from kvcached_core import KVCacheManager
+    from kvcached_core.fair_share import FairShare
+    from kvcached_core.pressure import PressureWatch
+
+    MiB = 1 << 20
+    for name, value in (
+        ("RUNTIME_DIR", str(tmp_path)),
+        ("HOST_DEVICE_BYTES", "64MiB"),
+        ("FAIR_SHARE", "1"),
+        ("FAIR_SHARE_WAIT_MS", "2000"),
+    ):
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    monkeypatch.setattr(FairShare, "CLAIM_S", 3.0)
+    settings = load_settings()
+    child, tell = start_neighbour()
+    mine = KVCacheManager(
+        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
+    )
+    mine.gates_admissions = True
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    try:
+        held = mine.alloc(40)
+        assert held is not None and mine.admits_new_requests()
+        assert wait_for(lambda: FairShare(settings, "cpu").share_bytes() == (32 * MiB, 40 * MiB, 2))
+        started = time.monotonic()
+        tell("short")
+        assert wait_for(lambda: mine.admit_cap == 32 * MiB, timeout=1)
+        assert mine.yield_cap is None and not mine.admits_new_requests()
+        more = mine.alloc(8)  # running requests still grow: no cap on the blocks themselves
+        assert more is not None
+        while mine.yield_cap is None and time.monotonic() - started < 10:
+            tell("short")  # a short engine signals at every failed step
+            time.sleep(0.2)
+        assert 1.5 <= time.monotonic() - started <= 4  # the wait
+        assert mine.yield_cap == 32 * MiB and mine.admit_cap == 32 * MiB and mine.alloc(1) is None
+        mine.free(held + more)  # its requests finished
+        assert wait_for(lambda: mine.admits_new_requests() and mine.alloc(1) is not None)  # under the share
+        assert wait_for(lambda: mine.admit_cap is None and mine.yield_cap is None, timeout=8)  # the claim ended
+    finally:
+        watch.close()
+        mine.close()
+        child.kill()
+        child.wait()

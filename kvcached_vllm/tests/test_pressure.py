@@ -253,6 +253,54 @@ def test_a_device_filled_since_kvcached_last_read_it_makes_allocate_slots_refuse
         neighbour.close()
 
 
+def test_under_an_admission_cap_new_requests_wait_and_running_ones_grow(tmp_path, monkeypatch):
+    """Fair share's admission cap (``admit_cap``, set while a neighbour below its share is short): vLLM's own
+    ``KVCacheManager.allocate_slots`` refuses a request with nothing computed yet, taking nothing and calling
+    nothing short (the cap is this engine's own), while a running request still gets its next blocks (no
+    preemption); once the cap lifts the new request is admitted. Real vLLM scheduler-side code over a real
+    planner on the host backend; the cap is set by hand (the policy that sets it: tests/test_coordination.py)."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    import torch
+    from vllm import SamplingParams
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    import kvcached_core as kc
+    from kvcached_core.pressure import DevicePressure
+    from kvcached_vllm import runtime
+
+    load_general_plugins()
+    runtime.close_all()
+    settings = kc.load_settings({}, runtime_dir=str(tmp_path), host_device_bytes=64 << 20)
+    kw = dict(device="cpu", settings=settings, reserved_pages=0, pool_target=0)
+    planner = kc.KVCacheManager(1024, 64 << 10, 4, 1, name="engine", reserve_null_block=True, **kw)
+    runtime.add_planner(1024, planner)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    config = KVCacheConfig(num_blocks=1024, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    manager = VllmKVCacheManager(
+        config, max_model_len=4096, scheduler_block_size=16, hash_block_size=16, enable_caching=False
+    )
+    assert planner.gates_admissions  # the plugin's pool says it checks the cap
+    running = Request("running", list(range(600)), SamplingParams(max_tokens=64), None)  # 38 blocks
+    waiting = Request("waiting", list(range(300)), SamplingParams(max_tokens=1), None)
+    try:
+        assert manager.allocate_slots(running, 600) is not None
+        running.num_computed_tokens = 600
+        planner.admit_cap = planner.snapshot()["mapped_bytes"]  # at its share: no new request fits
+        assert manager.allocate_slots(waiting, 300) is None  # waits in vLLM's queue
+        assert planner.snapshot()["allocated_blocks"] == 38  # nothing taken for it
+        more = manager.allocate_slots(running, 200)  # the running request's next tokens: 12 blocks more
+        assert more is not None and planner.snapshot()["allocated_blocks"] == 50
+        assert DevicePressure(settings, "cpu").read() is None  # no shortfall told to the neighbours
+        planner.admit_cap = None
+        assert manager.allocate_slots(waiting, 300) is not None
+        assert planner.snapshot()["allocated_blocks"] == 50 + 19
+    finally:
+        runtime.close_all()
+
+
 @for_releases(FROM_0_34, "free_blocks(..., evict_first): vLLM 0.34 on")
 def test_cached_blocks_freed_to_be_evicted_first_are_evicted_first(tmp_path, monkeypatch):
     """vLLM 0.34 frees cached blocks that another tier holds with ``evict_first``: kvcached gives them back

@@ -187,8 +187,8 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_FAIR_SHARE_WAIT_MS",
         _non_negative_int,
         "with KVCACHED_FAIR_SHARE, how long a neighbour must have been short (signals at most a second apart) "
-        "before engines yield to it; a shorter wait is left to the neighbours' own requests finishing "
-        "(0 = yield at its first shortfall)",
+        "before engines preempt down to an equal share; until then a vLLM engine above it admits no new "
+        "request, and an SGLang engine waits for its own requests to finish (0 = preempt at its first shortfall)",
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",

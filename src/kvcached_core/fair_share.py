@@ -9,10 +9,11 @@ memory should not either, while still lending an idle neighbour's share to whoev
 
 The share is the device's KV memory divided by the number of engines: what every kvcached engine on the
 device holds (mapped pages and ready handles, read from the control segments) plus what is spare. An
-engine above the share caps each of its pools on the device (``BlockAllocator.yield_cap``, in proportion
-to what each holds): its scheduler sees no free blocks, admits nothing new and preempts until it is under
-the cap; the pages that empties are unmapped at once and the short engine maps them. A capped pool does not
-report shortfalls of its own (its cap, not the device, stops it), so two engines never trade caps.
+engine above the share caps each of its pools on the device, in proportion to what each holds, at one of
+two strengths (below). Under the stronger one (``BlockAllocator.yield_cap``) its scheduler sees no free
+blocks, admits nothing new and preempts until it is under the cap; the pages that empties are unmapped at
+once and the short engine maps them. A capped pool does not report shortfalls of its own (its cap, not the
+device, stops it), so two engines never trade caps.
 
 The caps follow what the short engines still need, not their signals alone. A short engine stops
 signalling once it has enough, while it still needs it: lifting the caps one second after the last shortfall
@@ -29,10 +30,14 @@ does not use is lent to the others.
 Yielding has a price: the capped engine preempts, and vLLM recomputes what it preempted on the GPU both
 engines share. When a neighbour's requests finish within seconds anyway, waiting for them can be cheaper
 than preempting them (two engines on an H200: yielding at the first shortfall cost the busy model 1.28x
-its TTFT p50 against static slices, where not yielding gained). ``KVCACHED_FAIR_SHARE_WAIT_MS`` makes a
-shortfall count as a claim only after the engine has been short that long without a break of more than
-``LIFT_S``: a short wait is left to the neighbours' own requests, a long one (a backlogged neighbour that
-would hold the memory for minutes) is not.
+its TTFT p50 against static slices, where not yielding gained). So a cap comes in two strengths. At a
+neighbour's first shortfall, an engine whose plugin gates admissions (``KVCacheManager.gates_admissions``:
+vLLM's) caps only what new requests may take (``KVCacheManager.admit_cap``): its queue waits, its running
+requests go on and give their memory back as they finish, nothing is recomputed. Once the neighbour has
+been short for ``KVCACHED_FAIR_SHARE_WAIT_MS`` without a break of more than ``LIFT_S``, the cap holds for
+every block (``yield_cap``) and the engine preempts down to it: a short wait is left to the engines' own
+requests, a long one (a backlogged neighbour that would hold the memory for minutes) is not. An engine
+that cannot gate admissions does nothing until then.
 
 Only an engine below its equal share makes a claim. When every engine is backlogged at once, the larger
 ones are short too while they hold more than a share; yielding to them moved memory from one overloaded
@@ -60,16 +65,18 @@ UNBOUNDED = 1 << 62  # spare memory reported this large means no bound is known
 class FairShare:
     """One engine process's side of the policy, for one device; driven by its pressure watch's thread."""
 
+    ADMIT, YIELD = "admit", "yield"  # what the caps hold back: new requests only, or every block
     LIFT_S = 1.0  # a short engine signals every 50 ms: a second without a signal means it has what it needs
     CLAIM_S = 30.0  # how long a short engine's share stays kept for it after its last shortfall
 
     def __init__(self, settings: Settings, device: str) -> None:
         self.settings = settings
         self.device = host_device_label(device)
-        self._capped = False
+        self._caps: str | None = None  # None, ADMIT (admit_cap set) or YIELD (admit_cap and yield_cap set)
         self._last_shortfall = 0.0
         self._last_look = 0.0
         self._claims: dict[int, float] = {}  # pid of an engine that fell short -> when it last did
+        self._past_wait: set[int] = set()  # claimants short for the wait: their claims cap every block
         self._wait_s = settings.fair_share_wait_ms / 1000
         self._short: dict[int, tuple[float, float]] = {}  # pid -> (start, last signal) of its current shortfall
 
@@ -111,12 +118,19 @@ class FairShare:
     def _share(held: dict[int, int], spare: int) -> int:
         return (sum(held.values()) + spare) // len(held) if held else 0
 
-    def _set_caps(self, total_cap: int, pools: list) -> None:
-        """Cap ``pools`` at ``total_cap`` together, each in proportion to what it maps."""
+    def _set_caps(self, total_cap: int, pools: list, every_block: bool) -> None:
+        """Cap ``pools`` at ``total_cap`` together, each in proportion to what it maps: their admissions, and
+        with ``every_block`` every allocation."""
         mapped = {m: m.snapshot()["mapped_bytes"] for m in pools}
         total = sum(mapped.values())
         for m, pool_mapped in mapped.items():
-            m.yield_cap = pool_mapped * total_cap // total if total else total_cap // len(mapped)
+            m.admit_cap = pool_mapped * total_cap // total if total else total_cap // len(mapped)
+            if every_block:
+                m.yield_cap = m.admit_cap
+
+    @staticmethod
+    def _cap_total(pools: list) -> int:
+        return sum(m.admit_cap or 0 for m in pools)
 
     def _short_for(self, pid: int, now: float) -> float:
         """Record a shortfall signal of engine ``pid`` at ``now``; returns how long it has been short without a
@@ -129,62 +143,75 @@ class FairShare:
         return now - start
 
     def on_shortfall(self, pid: int) -> bool:
-        """Engine ``pid`` on the device fell short: once it has been short for ``KVCACHED_FAIR_SHARE_WAIT_MS``
-        (at once while it holds a claim), it holds a claim on an equal share if it holds less than one (or
-        already holds a claim), and this process's pools there are capped at an equal share if it holds more
-        than one (a shortfall lowers caps, never raises them). Returns whether they are capped."""
+        """Engine ``pid`` on the device fell short. If it holds less than an equal share (or already holds a
+        claim), it holds a claim on one, and this process's pools there are capped at an equal share if it
+        holds more than one: at once for admissions where they are gated (``gates_admissions``), for every
+        block once ``pid`` has been short for ``KVCACHED_FAIR_SHARE_WAIT_MS`` (at once after that while its
+        claim lasts). A shortfall lowers caps, never raises them. Returns whether the pools are capped."""
         now = time.monotonic()
-        if self._short_for(pid, now) < self._wait_s and pid not in self._claims:
-            return self._capped  # left to the neighbours' own requests finishing, for now
+        past_wait = self._short_for(pid, now) >= self._wait_s or pid in self._past_wait
         pools = self._my_pools()
+        if not past_wait and not any(m.gates_admissions for m in pools):
+            return self._caps is not None  # left to the neighbours' own requests finishing, for now
         held, share = self._held_and_share(pools)
         if pid not in self._claims and held.get(pid, 0) >= share:
-            return self._capped  # overloaded, not starved: yielding to it only moves the overload to this engine
+            return self._caps is not None  # overloaded, not starved: yielding only moves the overload here
         self._last_shortfall = now
         self._claims[pid] = now
+        if past_wait:
+            self._past_wait.add(pid)
         mine = held.get(os.getpid(), 0)
-        if mine <= share:  # at or under the share: caps set before stay
-            return self._capped
-        if not any(m.snapshot()["mapped_bytes"] for m in pools):
-            return self._capped
-        caps = sum(m.yield_cap or 0 for m in pools)
-        if self._capped and caps <= share:
-            return True  # raising them is :meth:`tick`'s, once the claims allow it
-        self._set_caps(share, pools)
-        if not self._capped:
+        if mine <= share or not any(m.snapshot()["mapped_bytes"] for m in pools):
+            return self._caps is not None  # at or under the share: caps set before stay
+        every_block = past_wait or self._caps == self.YIELD
+        if self._caps is not None and self._cap_total(pools) <= share:
+            if self._caps == self.YIELD or not every_block:
+                return True  # raising them is :meth:`tick`'s, once the claims allow it
+            for m in pools:  # the neighbour waited long enough: the admission caps now hold every block
+                m.yield_cap = m.admit_cap
+        else:
+            self._set_caps(share, pools, every_block)
+        caps = self.YIELD if every_block else self.ADMIT
+        if caps != self._caps:
             logger.info(
-                "kvcached: a neighbour on %s is short of memory; yielding down to an equal share (%d MiB of %d)",
+                "kvcached: a neighbour on %s is short of memory; %s down to an equal share (%d MiB of %d)",
                 self.device,
+                "yielding" if every_block else "admitting no new request until",
                 share >> 20,
                 mine >> 20,
             )
-        self._capped = True
+        self._caps = caps
         return True
 
     def tick(self) -> None:
         """``LIFT_S`` after the last shortfall and at most once per ``LIFT_S``: lift the caps once no claim is
-        left, or else let them grow into this engine's part of the spare memory that the claims leave."""
+        left (only the yield caps once no claim past the wait is), or else let them grow into this engine's
+        part of the spare memory that the claims leave."""
         now = time.monotonic()
-        if not self._capped or now - max(self._last_shortfall, self._last_look) < self.LIFT_S:
+        if self._caps is None or now - max(self._last_shortfall, self._last_look) < self.LIFT_S:
             return
         self._last_look = now  # the segments are read once per LIFT_S, not at every watch interval
         pools = self._my_pools()
         held = self._held(pools)
         # A claim ends CLAIM_S after its engine's last shortfall, or with its engine.
         self._claims = {p: t for p, t in self._claims.items() if now - t < self.CLAIM_S and p in held}
+        self._past_wait &= self._claims.keys()
         if not pools or not self._claims:
             for m in pools:
-                m.yield_cap = None
-            self._capped = False
+                m.admit_cap = m.yield_cap = None
+            self._caps = None
             logger.info("kvcached: no engine on %s is short of memory any more; no longer yielding", self.device)
             return
+        if self._caps == self.YIELD and not self._past_wait:
+            for m in pools:
+                m.yield_cap = None
+            self._caps = self.ADMIT
         spare = self._spare(pools)
         share = self._share(held, spare)
         kept = sum(max(0, share - held[p]) for p in self._claims)
         room = spare - kept
         if room < min(m.page_bytes * m.num_buffers for m in pools):
             return  # nothing beyond what the claims keep: the caps hold
-        caps = sum(m.yield_cap or 0 for m in pools)
         mine = held.get(os.getpid(), 0)
-        if mine + room // len(held) > caps:
-            self._set_caps(mine + room // len(held), pools)
+        if mine + room // len(held) > self._cap_total(pools):
+            self._set_caps(mine + room // len(held), pools, self._caps == self.YIELD)

@@ -165,6 +165,10 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             map_ahead_pages=pick(map_ahead_pages, s.map_ahead_pages, "map_ahead_pages"),
         )
         self._backend = backend
+        # Fair share's cap on what new requests may take (kvcached_core.fair_share), for an engine whose
+        # plugin sets gates_admissions and checks it before admitting a request; None: no cap.
+        self.admit_cap: int | None = None
+        self.gates_admissions = False
         # The hot calls as plain CPython methods (see csrc/bindings/fast_path.h): no pybind11 dispatch.
         self._snapshot_labels = dict(
             self._labels, block_bytes=self.block_bytes, page_bytes=self.page_bytes, num_buffers=self.num_buffers
@@ -268,6 +272,12 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         the device): memory :meth:`trim` would give back now."""
         snap = self.snapshot()
         return snap["mapped_pages"] > snap["used_pages"]
+
+    def admits_new_requests(self) -> bool:
+        """Whether a new request may take blocks now: fair share has set no admission cap
+        (:attr:`admit_cap`), or this pool maps less than it. For plugins that set :attr:`gates_admissions`."""
+        cap = self.admit_cap
+        return cap is None or self._snapshot()["mapped_bytes"] < cap
 
     def device_spare_bytes(self) -> int:
         """Memory of this manager's device that no one holds, above the headroom KV caches leave free (for a

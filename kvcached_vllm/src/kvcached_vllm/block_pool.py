@@ -68,6 +68,7 @@ class ElasticBlockPool(BlockPool):
         self.planned = 0
         self._available = self._manager.available_size if self._manager is not None else None
         if self._manager is not None:
+            self._manager.gates_admissions = True  # allocate_slots holds new requests to fair share's cap
             runtime.add_block_pool(self, self._manager.device)
 
     def _pool_of_own_blocks(self) -> object:

@@ -207,12 +207,18 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     """WRAPS vLLM's ``KVCacheManager.allocate_slots`` (called per request and step, hence a ``wrap`` unit):
     its free-block check maps the blocks it then takes (:meth:`ElasticBlockPool.get_num_free_blocks`); when
     the scheduler cannot get blocks because the device is full, tell the other engines on it (they give
-    back cached prefix blocks)."""
+    back cached prefix blocks). While fair share caps admissions (``admit_cap``), a request with nothing
+    computed yet (a new or a preempted one) is refused as when blocks run out: it waits in vLLM's queue."""
 
     def allocate_slots(manager: Any, *args: Any, **kwargs: Any) -> Any:
         pool = manager.block_pool
         if type(pool) not in ELASTIC_POOLS or pool._manager is None:
             return original(manager, *args, **kwargs)
+        planner = pool._manager
+        if planner.admit_cap is not None and not planner.admits_new_requests():
+            request = args[0] if args else kwargs["request"]
+            if request.num_computed_tokens == 0:
+                return None  # its own cap, not the device: no shortfall to report
         pool.checking = True
         try:
             blocks = original(manager, *args, **kwargs)

@@ -239,7 +239,7 @@ PATCHES: tuple[Patch, ...] = (
         "wrap",
         allocate_slots,
         "the scheduler's last check maps the blocks it then takes; one short of device memory tells the "
-        "other engines there",
+        "other engines there; new requests wait while fair share caps admissions",
         releases=ALL,
     ),
     Patch(
