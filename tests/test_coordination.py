@@ -180,9 +180,7 @@ def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkey
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
-    for name, value in (("RUNTIME_DIR", str(tmp_path)), ("HOST_DEVICE_BYTES", "64MiB"), ("FAIR_SHARE", "1")):
-        monkeypatch.setenv(f"KVCACHED_{name}", value)
-    settings = load_settings()
+    settings = fair_share_settings(monkeypatch, tmp_path, "64MiB")
     code = textwrap.dedent(
         """
         import sys, kvcached_core as kc
@@ -219,6 +217,14 @@ def test_fair_share_yields_to_a_short_neighbour_and_lifts_after(tmp_path, monkey
         mine.close()
         child.kill()
         child.wait()
+
+
+def fair_share_settings(monkeypatch, tmp_path, budget: str, **more: str):
+    """Settings with fair share on, this test's runtime directory and a host budget of ``budget`` (what the
+    neighbours started after this see too), plus ``more`` KVCACHED_* values."""
+    for name, value in {"RUNTIME_DIR": str(tmp_path), "HOST_DEVICE_BYTES": budget, "FAIR_SHARE": "1", **more}.items():
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
+    return load_settings()
 
 
 NEIGHBOUR = textwrap.dedent(
@@ -278,9 +284,7 @@ def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(t
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
-    for name, value in (("RUNTIME_DIR", str(tmp_path)), ("HOST_DEVICE_BYTES", "64MiB"), ("FAIR_SHARE", "1")):
-        monkeypatch.setenv(f"KVCACHED_{name}", value)
-    settings = load_settings()
+    settings = fair_share_settings(monkeypatch, tmp_path, "64MiB")
     child, tell = start_neighbour()
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
@@ -364,9 +368,7 @@ def test_fair_share_yields_only_to_a_neighbour_below_its_share(tmp_path, monkeyp
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
-    for name, value in (("RUNTIME_DIR", str(tmp_path)), ("HOST_DEVICE_BYTES", "112MiB"), ("FAIR_SHARE", "1")):
-        monkeypatch.setenv(f"KVCACHED_{name}", value)
-    settings = load_settings()
+    settings = fair_share_settings(monkeypatch, tmp_path, "112MiB")
     (large, tell_large), (small, tell_small) = start_neighbour(), start_neighbour()
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
@@ -403,14 +405,7 @@ def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_pat
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
-    for name, value in (
-        ("RUNTIME_DIR", str(tmp_path)),
-        ("HOST_DEVICE_BYTES", "64MiB"),
-        ("FAIR_SHARE", "1"),
-        ("FAIR_SHARE_WAIT_MS", "2000"),
-    ):
-        monkeypatch.setenv(f"KVCACHED_{name}", value)
-    settings = load_settings()
+    settings = fair_share_settings(monkeypatch, tmp_path, "64MiB", FAIR_SHARE_WAIT_MS="2000")
     child, tell = start_neighbour()
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
@@ -514,15 +509,8 @@ def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_afte
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
-    for name, value in (
-        ("RUNTIME_DIR", str(tmp_path)),
-        ("HOST_DEVICE_BYTES", "64MiB"),
-        ("FAIR_SHARE", "1"),
-        ("FAIR_SHARE_WAIT_MS", "2000"),
-    ):
-        monkeypatch.setenv(f"KVCACHED_{name}", value)
     monkeypatch.setattr(FairShare, "CLAIM_S", 3.0)
-    settings = load_settings()
+    settings = fair_share_settings(monkeypatch, tmp_path, "64MiB", FAIR_SHARE_WAIT_MS="2000")
     child, tell = start_neighbour()
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings

@@ -187,6 +187,41 @@ def test_with_fair_share_an_engine_above_an_equal_share_stops_taking_blocks_whil
         neighbour.wait()
 
 
+def scheduler_kv_manager(tmp_path):
+    """vLLM's own scheduler-side ``KVCacheManager`` (its coordinator and the patched pool) for 1024 blocks of
+    one attention layer, over a real planner on a 64 MiB host budget: (settings, planner, vLLM's manager)."""
+    import torch
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    import kvcached_core as kc
+    from kvcached_vllm import runtime
+
+    load_general_plugins()
+    runtime.close_all()
+    settings = kc.load_settings({}, runtime_dir=str(tmp_path), host_device_bytes=64 << 20)
+    planner = kc.KVCacheManager(
+        1024,
+        64 << 10,
+        4,
+        1,
+        "cpu",
+        name="engine",
+        reserve_null_block=True,
+        settings=settings,
+        reserved_pages=0,
+        pool_target=0,
+    )
+    runtime.add_planner(1024, planner)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    config = KVCacheConfig(num_blocks=1024, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    manager = VllmKVCacheManager(
+        config, max_model_len=4096, scheduler_block_size=16, hash_block_size=16, enable_caching=False
+    )
+    return settings, planner, manager
+
+
 def test_a_device_filled_since_kvcached_last_read_it_makes_allocate_slots_refuse_instead_of_failing(
     tmp_path, monkeypatch
 ):
@@ -198,28 +233,15 @@ def test_a_device_filled_since_kvcached_last_read_it_makes_allocate_slots_refuse
     Real vLLM scheduler-side code (kv cache manager, coordinator, the patched pool) over a real kvcached
     manager on a 64 MiB host budget; the neighbour is a second real manager on the same budget."""
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
-    import torch
     from vllm import SamplingParams
-    from vllm.plugins import load_general_plugins
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
     import kvcached_core as kc
     from kvcached_vllm import runtime
 
-    load_general_plugins()
-    runtime.close_all()
-    settings = kc.load_settings({}, runtime_dir=str(tmp_path), host_device_bytes=64 << 20)
+    settings, planner, manager = scheduler_kv_manager(tmp_path)
     kw = dict(device="cpu", settings=settings, reserved_pages=0, pool_target=0)
-    planner = kc.KVCacheManager(1024, 64 << 10, 4, 1, name="engine", reserve_null_block=True, **kw)
     neighbour = kc.KVCacheManager(1024, 64 << 10, 4, 1, name="neighbour", **kw)  # 32 blocks a page row
-    runtime.add_planner(1024, planner)
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
-    config = KVCacheConfig(num_blocks=1024, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    manager = VllmKVCacheManager(
-        config, max_model_len=4096, scheduler_block_size=16, hash_block_size=16, enable_caching=False
-    )
     request = Request("burst", list(range(600)), SamplingParams(max_tokens=1), None)  # 38 blocks
     held: list[int] = []
 
@@ -260,28 +282,13 @@ def test_under_an_admission_cap_new_requests_wait_and_running_ones_grow(tmp_path
     preemption); once the cap lifts the new request is admitted. Real vLLM scheduler-side code over a real
     planner on the host backend; the cap is set by hand (the policy that sets it: tests/test_coordination.py)."""
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
-    import torch
     from vllm import SamplingParams
-    from vllm.plugins import load_general_plugins
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    import kvcached_core as kc
     from kvcached_core.pressure import DevicePressure
     from kvcached_vllm import runtime
 
-    load_general_plugins()
-    runtime.close_all()
-    settings = kc.load_settings({}, runtime_dir=str(tmp_path), host_device_bytes=64 << 20)
-    kw = dict(device="cpu", settings=settings, reserved_pages=0, pool_target=0)
-    planner = kc.KVCacheManager(1024, 64 << 10, 4, 1, name="engine", reserve_null_block=True, **kw)
-    runtime.add_planner(1024, planner)
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
-    config = KVCacheConfig(num_blocks=1024, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    manager = VllmKVCacheManager(
-        config, max_model_len=4096, scheduler_block_size=16, hash_block_size=16, enable_caching=False
-    )
+    settings, planner, manager = scheduler_kv_manager(tmp_path)
     assert planner.gates_admissions  # the plugin's pool says it checks the cap
     running = Request("running", list(range(600)), SamplingParams(max_tokens=64), None)  # 38 blocks
     waiting = Request("waiting", list(range(300)), SamplingParams(max_tokens=1), None)
