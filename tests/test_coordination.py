@@ -397,7 +397,8 @@ def test_fair_share_yields_only_to_a_neighbour_below_its_share(tmp_path, monkeyp
 def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_path, monkeypatch):
     """``KVCACHED_FAIR_SHARE_WAIT_MS``: a neighbour's shortfall is left to the engines' own requests finishing
     until it has lasted the wait. A lone shortfall, and one after a break of more than ``LIFT_S`` (its wait
-    starts over), cap nothing; shortfalls kept up for the wait cap this process at an equal share."""
+    starts over), cap nothing, not even admissions of a pool that could gate them (no
+    ``KVCACHED_FAIR_SHARE_ADMIT_FIRST``); shortfalls kept up for the wait cap this process at an equal share."""
     from conftest import wait_for
 
     from kvcached_core import KVCacheManager
@@ -410,6 +411,7 @@ def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_pat
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
     )
+    mine.gates_admissions = True
     watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
     try:
         assert mine.alloc(48) is not None
@@ -418,7 +420,7 @@ def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_pat
         time.sleep(1.5 * FairShare.LIFT_S)  # a break: the next shortfall starts a new wait
         tell("short")
         time.sleep(0.5)
-        assert mine.yield_cap is None
+        assert mine.yield_cap is None and mine.admit_cap is None
         started = time.monotonic()  # 2 s after the first signal: without the break's reset, capped at once
         while mine.yield_cap is None and time.monotonic() - started < 10:
             tell("short")  # a short engine signals at every failed step
@@ -498,10 +500,10 @@ def test_no_hold_when_it_is_off_or_shorter_than_the_pools_own_window(tmp_path, m
 
 
 def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_after_the_wait(tmp_path, monkeypatch):
-    """Fair share's two strengths on a 64 MiB host budget (this process 48 MiB, a neighbour 16): a pool whose
-    plugin gates admissions gets an admission cap at the neighbour's first shortfall (new requests wait,
-    allocations go on: nothing is preempted); once the neighbour has been short for
-    ``KVCACHED_FAIR_SHARE_WAIT_MS`` the cap holds every block; when its claim ends, both lift."""
+    """Fair share's two strengths (``KVCACHED_FAIR_SHARE_ADMIT_FIRST``) on a 64 MiB host budget (this process
+    48 MiB, a neighbour 16): a pool whose plugin gates admissions gets an admission cap at the neighbour's
+    first shortfall (new requests wait, allocations go on: nothing is preempted); once the neighbour has been
+    short for ``KVCACHED_FAIR_SHARE_WAIT_MS`` the cap holds every block; when its claim ends, both lift."""
     from conftest import wait_for
 
     from kvcached_core import KVCacheManager
@@ -510,7 +512,9 @@ def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_afte
 
     MiB = 1 << 20
     monkeypatch.setattr(FairShare, "CLAIM_S", 3.0)
-    settings = fair_share_settings(monkeypatch, tmp_path, "64MiB", FAIR_SHARE_WAIT_MS="2000")
+    settings = fair_share_settings(
+        monkeypatch, tmp_path, "64MiB", FAIR_SHARE_WAIT_MS="2000", FAIR_SHARE_ADMIT_FIRST="1"
+    )
     child, tell = start_neighbour()
     mine = KVCacheManager(
         64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings

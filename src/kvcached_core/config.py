@@ -96,6 +96,7 @@ class Settings:
     prefix_cache_floor_bytes: int = 0
     fair_share: bool = False
     fair_share_wait_ms: int = 0
+    fair_share_admit_first: bool = False
     kv_layout: str = "engine"
     runtime_dir: str | None = None
 
@@ -187,8 +188,15 @@ SETTINGS: dict[str, Setting] = {
         "KVCACHED_FAIR_SHARE_WAIT_MS",
         _non_negative_int,
         "with KVCACHED_FAIR_SHARE, how long a neighbour must have been short (signals at most a second apart) "
-        "before engines preempt down to an equal share; until then a vLLM engine above it admits no new "
-        "request, and an SGLang engine waits for its own requests to finish (0 = preempt at its first shortfall)",
+        "before engines above an equal share yield to it, preempting down to the share; a shorter wait is left "
+        "to the neighbours' own requests finishing (0 = yield at its first shortfall)",
+    ),
+    "fair_share_admit_first": Setting(
+        "KVCACHED_FAIR_SHARE_ADMIT_FIRST",
+        _bool,
+        "with KVCACHED_FAIR_SHARE, a vLLM engine above an equal share stops admitting new requests at a "
+        "neighbour's first shortfall, before the wait ends: its running requests finish and hand their memory "
+        "over, nothing is preempted (SGLang engines wait as without it)",
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",

@@ -30,14 +30,14 @@ does not use is lent to the others.
 Yielding has a price: the capped engine preempts, and vLLM recomputes what it preempted on the GPU both
 engines share. When a neighbour's requests finish within seconds anyway, waiting for them can be cheaper
 than preempting them (two engines on an H200: yielding at the first shortfall cost the busy model 1.28x
-its TTFT p50 against static slices, where not yielding gained). So a cap comes in two strengths. At a
-neighbour's first shortfall, an engine whose plugin gates admissions (``KVCacheManager.gates_admissions``:
-vLLM's) caps only what new requests may take (``KVCacheManager.admit_cap``): its queue waits, its running
-requests go on and give their memory back as they finish, nothing is recomputed. Once the neighbour has
-been short for ``KVCACHED_FAIR_SHARE_WAIT_MS`` without a break of more than ``LIFT_S``, the cap holds for
-every block (``yield_cap``) and the engine preempts down to it: a short wait is left to the engines' own
-requests, a long one (a backlogged neighbour that would hold the memory for minutes) is not. An engine
-that cannot gate admissions does nothing until then.
+its TTFT p50 against static slices, where not yielding gained). So a cap comes in two strengths. With
+``KVCACHED_FAIR_SHARE_ADMIT_FIRST``, at a neighbour's first shortfall, an engine whose plugin gates
+admissions (``KVCacheManager.gates_admissions``: vLLM's) caps only what new requests may take
+(``KVCacheManager.admit_cap``): its queue waits, its running requests go on and give their memory back as
+they finish, nothing is recomputed. Once the neighbour has been short for ``KVCACHED_FAIR_SHARE_WAIT_MS``
+without a break of more than ``LIFT_S``, the cap holds for every block (``yield_cap``) and the engine
+preempts down to it: a short wait is left to the engines' own requests, a long one (a backlogged neighbour
+that would hold the memory for minutes) is not. Other engines do nothing until then.
 
 Only an engine below its equal share makes a claim. When every engine is backlogged at once, the larger
 ones are short too while they hold more than a share; yielding to them moved memory from one overloaded
@@ -78,6 +78,7 @@ class FairShare:
         self._claims: dict[int, float] = {}  # pid of an engine that fell short -> when it last did
         self._past_wait: set[int] = set()  # claimants short for the wait: their claims cap every block
         self._wait_s = settings.fair_share_wait_ms / 1000
+        self._admit_first = settings.fair_share_admit_first
         self._short: dict[int, tuple[float, float]] = {}  # pid -> (start, last signal) of its current shortfall
 
     def _my_pools(self) -> list:
@@ -151,7 +152,7 @@ class FairShare:
         now = time.monotonic()
         past_wait = self._short_for(pid, now) >= self._wait_s or pid in self._past_wait
         pools = self._my_pools()
-        if not past_wait and not any(m.gates_admissions for m in pools):
+        if not past_wait and not (self._admit_first and any(m.gates_admissions for m in pools)):
             return self._caps is not None  # left to the neighbours' own requests finishing, for now
         held, share = self._held_and_share(pools)
         if pid not in self._claims and held.get(pid, 0) >= share:
