@@ -37,7 +37,9 @@ admissions (``KVCacheManager.gates_admissions``: vLLM's) caps only what new requ
 they finish, nothing is recomputed. Once the neighbour has been short for ``KVCACHED_FAIR_SHARE_WAIT_MS``
 without a break of more than ``LIFT_S``, the cap holds for every block (``yield_cap``) and the engine
 preempts down to it: a short wait is left to the engines' own requests, a long one (a backlogged neighbour
-that would hold the memory for minutes) is not. Other engines do nothing until then.
+that would hold the memory for minutes) is not. Other engines do nothing until then. (On an H100 with two
+overloaded models, stopping admissions freed nothing within a 5 s wait: each page row held blocks of
+requests that ran for tens of seconds.)
 
 Only an engine below its equal share makes a claim. When every engine is backlogged at once, the larger
 ones are short too while they hold more than a share; yielding to them moved memory from one overloaded
