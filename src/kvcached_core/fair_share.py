@@ -38,8 +38,8 @@ they finish, nothing is recomputed. Once the neighbour has been short for ``KVCA
 without a break of more than ``LIFT_S``, the cap holds for every block (``yield_cap``) and the engine
 preempts down to it: a short wait is left to the engines' own requests, a long one (a backlogged neighbour
 that would hold the memory for minutes) is not. Other engines do nothing until then. (On an H100 with two
-overloaded models, stopping admissions freed nothing within a 5 s wait: each page row held blocks of
-requests that ran for tens of seconds.)
+overloaded models in vLLM's own layout, stopping admissions freed nothing within a 5 s wait: each 2 GiB
+page row held blocks of requests that ran for tens of seconds.)
 
 Only an engine below its equal share makes a claim. When every engine is backlogged at once, the larger
 ones are short too while they hold more than a share; yielding to them moved memory from one overloaded
