@@ -208,6 +208,23 @@ def test_trim_keeps_pages_with_allocated_blocks(make_manager):
     assert snap["mapped_bytes"] == LOGICAL_PAGE and snap["allocated_blocks"] == BLOCKS_PER_PAGE
 
 
+def test_trim_can_keep_the_lowest_empty_pages_and_keeps_those_under_a_fair_share_cap(make_manager):
+    """``trim(keep_empty_pages)`` unmaps the empty pages above the lowest ``keep_empty_pages``;
+    ``trim_to_cap`` keeps as many as fit under fair share's ``admit_cap`` beside the pages in use, and
+    without a cap is ``trim``."""
+    mgr = make_manager(reserved_pages=10, reclaim_delay_ms=10_000)
+    ids = mgr.alloc(BLOCKS_PER_PAGE * 6)
+    mgr.free(ids[BLOCKS_PER_PAGE:])  # page 0 in use, pages 1-5 empty
+    assert mgr.trim(2) == 3 * LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == 3 * LOGICAL_PAGE
+    again = mgr.alloc(2 * BLOCKS_PER_PAGE)  # the two kept are the lowest: nothing new is mapped for these
+    assert again is not None and mgr.snapshot()["mapped_bytes"] == 3 * LOGICAL_PAGE
+    mgr.free(again)
+    mgr.admit_cap = 2 * LOGICAL_PAGE  # room for one empty page beside the one in use
+    assert mgr.trim_to_cap() == LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == 2 * LOGICAL_PAGE
+    mgr.admit_cap = None
+    assert mgr.trim_to_cap() == LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == LOGICAL_PAGE
+
+
 def test_memory_limit_bounds_mapping_and_available_size(make_manager):
     mgr = make_manager(reserved_pages=0)
     result = mgr.set_memory_limit(2 * LOGICAL_PAGE)

@@ -389,8 +389,9 @@ PYBIND11_MODULE(_native, m) {
            "Map pages until `count` blocks are assured (or the limit, virtual capacity or physical memory\n"
            "stops it); returns assured_size(). For a scheduler about to commit to `count` blocks: a device\n"
            "another process filled since kvcached last read it shows as a smaller count, not a refused alloc().")
-      .def("trim", &BlockAllocator::trim, py::call_guard<py::gil_scoped_release>(),
-           "Unmap every mapped page that holds no allocated block; returns the bytes unmapped.")
+      .def("trim", &BlockAllocator::trim, py::arg("keep_empty_pages") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Unmap every mapped page that holds no allocated block, except `keep_empty_pages` of them (the\n"
+           "lowest); returns the bytes unmapped.")
       .def("clear", &BlockAllocator::clear, "Free every allocated block (the null block stays reserved).")
       .def("close", &BlockAllocator::close, py::call_guard<py::gil_scoped_release>(),
            "Unmap and release all memory. Idempotent.")

@@ -638,9 +638,9 @@ void BlockAllocator::reclaimer_loop() {
   }
 }
 
-std::uint64_t BlockAllocator::trim() {
+std::uint64_t BlockAllocator::trim(std::int64_t keep_empty_pages) {
   check_open();
-  return reclaim(0);
+  return reclaim(std::max<std::int64_t>(0, keep_empty_pages));
 }
 
 void BlockAllocator::clear() {

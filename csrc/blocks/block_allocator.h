@@ -106,8 +106,9 @@ class BlockAllocator {
   // starts at once, so pages kept for the long one go back within two of the new windows.
   void set_reclaim_delay_ms(std::int64_t ms);
   std::int64_t reclaim_delay_ms() const noexcept { return window_ms_.load(std::memory_order_relaxed); }
-  // Unmaps every mapped page that holds no allocated block; returns the bytes unmapped.
-  std::uint64_t trim();
+  // Unmaps every mapped page that holds no allocated block except `keep_empty_pages` of them (the lowest);
+  // returns the bytes unmapped.
+  std::uint64_t trim(std::int64_t keep_empty_pages = 0);
   // Frees every allocated block (the null block stays reserved); pages are reclaimed as usual.
   void clear();
   // Unmaps and releases everything; later calls raise. Idempotent.

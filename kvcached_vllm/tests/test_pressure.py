@@ -140,7 +140,8 @@ def test_with_fair_share_an_engine_above_an_equal_share_stops_taking_blocks_whil
     """``KVCACHED_FAIR_SHARE=1``: another process on the device (a kvcached pool holding 16 MiB) falls short
     while this engine plans 64 MiB: vLLM's own BlockPool then reports no free blocks (its scheduler admits
     nothing and preempts, as under ``kvctl limit``) until it is under an equal share (40 MiB), does not call
-    itself short, and counts freely again a second after the last shortfall."""
+    itself short, keeps its share mapped when it gives pages back, and counts freely again a second after
+    the last shortfall."""
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("KVCACHED_FAIR_SHARE", "1")
     monkeypatch.setenv("KVCACHED_WATCH_INTERVAL_MS", "5")
@@ -176,6 +177,8 @@ def test_with_fair_share_an_engine_above_an_equal_share_stops_taking_blocks_whil
         assert planner.yield_cap == 40 * MiB
         assert pool.get_num_free_blocks() == 0 and not pool.physically_short()
         pool.free_blocks(held[-4 * BLOCKS_PER_PAGE :])  # preempted requests: 4 pages in use
+        pool.trim()  # what the neighbour's shortfall runs: the empty page under the cap is this engine's share
+        assert planner.snapshot()["mapped_bytes"] == 40 * MiB
         assert pool.get_num_free_blocks() == BLOCKS_PER_PAGE  # up to the share, not beyond
         deadline = time.monotonic() + 5
         while planner.yield_cap is not None and time.monotonic() < deadline:

@@ -11,9 +11,11 @@ The share is the device's KV memory divided by the number of engines: what every
 device holds (mapped pages and ready handles, read from the control segments) plus what is spare. An
 engine above the share caps each of its pools on the device, in proportion to what each holds, at one of
 two strengths (below). Under the stronger one (``BlockAllocator.yield_cap``) its scheduler sees no free
-blocks, admits nothing new and preempts until it is under the cap; the pages that empties are unmapped at
-once and the short engine maps them. A capped pool does not report shortfalls of its own (its cap, not the
-device, stops it), so two engines never trade caps.
+blocks, admits nothing new and preempts until it is under the cap; the pages above the cap that empties
+are unmapped at once and the short engine maps them. Those under the cap stay mapped, even when the
+neighbour's shortfall asks for idle pages (``KVCacheManager.trim_to_cap``): they are the engine's own share,
+and given away they came back within seconds, with preemptions on both sides. A capped pool does not
+report shortfalls of its own (its cap, not the device, stops it), so two engines never trade caps.
 
 The caps follow what the short engines still need, not their signals alone. A short engine stops
 signalling once it has enough, while it still needs it: lifting the caps one second after the last shortfall

@@ -273,6 +273,17 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         snap = self.snapshot()
         return snap["mapped_pages"] > snap["used_pages"]
 
+    def trim_to_cap(self) -> int:
+        """:meth:`trim`, except that while fair share caps this pool (:attr:`admit_cap`) the empty pages under
+        the cap stay mapped: they are this engine's own share, which it refills as it admits again. Given
+        back, a neighbour took them and then had to yield them back within seconds, preempting (an H100 with
+        two engines). Returns the bytes unmapped."""
+        cap = self.admit_cap
+        if cap is None:
+            return self.trim()
+        used = self._snapshot()["used_pages"]
+        return self.trim(max(0, cap // (self.page_bytes * self.num_buffers) - used))
+
     def admits_new_requests(self) -> bool:
         """Whether a new request may take blocks now: fair share has set no admission cap
         (:attr:`admit_cap`), or this pool maps less than it. For plugins that set :attr:`gates_admissions`."""

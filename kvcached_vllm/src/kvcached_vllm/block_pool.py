@@ -237,8 +237,9 @@ class ElasticBlockPool(BlockPool):
         return self._manager is not None and self._manager.has_idle_pages()
 
     def trim(self) -> int:
-        """Unmap every page no allocated block is on, now; returns the bytes given back."""
-        return self._manager.trim() if self._manager is not None else 0
+        """Unmap every page no allocated block is on, now, but none under fair share's cap while one is set
+        (:meth:`kvcached_core.KVCacheManager.trim_to_cap`); returns the bytes given back."""
+        return self._manager.trim_to_cap() if self._manager is not None else 0
 
     def physically_short(self) -> bool:
         """Whether the device, not this engine's limit or virtual capacity, stops it handing out more blocks."""
