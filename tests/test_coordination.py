@@ -271,6 +271,15 @@ def start_neighbour() -> tuple[subprocess.Popen, Callable[[str], None]]:
     return child, tell
 
 
+def my_pool(settings):
+    """This process's pool beside :func:`start_neighbour`'s: 64 blocks of 1 MiB, nothing mapped ahead or kept."""
+    from kvcached_core import KVCacheManager
+
+    return KVCacheManager(
+        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
+    )
+
+
 def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(tmp_path, monkeypatch):
     """On a 64 MiB host budget the caps outlast the neighbour's shortfalls: it stopped signalling because it
     has its share, not because it no longer needs it, and lifting then would only start the next round of
@@ -279,16 +288,13 @@ def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(t
     claim ends (``CLAIM_S`` after its last shortfall); then the caps lift."""
     from conftest import wait_for
 
-    from kvcached_core import KVCacheManager
     from kvcached_core.fair_share import FairShare
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
     settings = fair_share_settings(monkeypatch, tmp_path, "64MiB")
     child, tell = start_neighbour()
-    mine = KVCacheManager(
-        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
-    )
+    mine = my_pool(settings)
     monkeypatch.setattr(FairShare, "CLAIM_S", 5.0)
     watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
     try:
@@ -323,7 +329,6 @@ def test_a_shortfall_never_raises_a_cap_even_while_this_engines_segment_lags_its
     every watch interval; here an hour) must not see a share above the one it yields to: counting both its old
     holdings and the neighbour's growth into them once raised the cap from 32 to 40 MiB. The policy is driven
     by hand here (no watch thread), so the stale segment stays stale."""
-    from kvcached_core import KVCacheManager
     from kvcached_core.fair_share import FairShare
 
     MiB = 1 << 20
@@ -335,9 +340,7 @@ def test_a_shortfall_never_raises_a_cap_even_while_this_engines_segment_lags_its
         monkeypatch.setenv(f"KVCACHED_{name}", value)
     settings = load_settings()
     child, tell = start_neighbour()
-    mine = KVCacheManager(
-        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
-    )
+    mine = my_pool(settings)
     policy = FairShare(settings, "cpu")
     try:
         held = mine.alloc(48)
@@ -363,16 +366,13 @@ def test_fair_share_yields_only_to_a_neighbour_below_its_share(tmp_path, monkeyp
     cap this process at the share."""
     from conftest import wait_for
 
-    from kvcached_core import KVCacheManager
     from kvcached_core.fair_share import FairShare
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
     settings = fair_share_settings(monkeypatch, tmp_path, "112MiB")
     (large, tell_large), (small, tell_small) = start_neighbour(), start_neighbour()
-    mine = KVCacheManager(
-        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
-    )
+    mine = my_pool(settings)
     watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
     try:
         tell_large("grow")
@@ -401,16 +401,13 @@ def test_fair_share_waits_for_a_neighbour_short_for_longer_than_the_wait(tmp_pat
     ``KVCACHED_FAIR_SHARE_ADMIT_FIRST``); shortfalls kept up for the wait cap this process at an equal share."""
     from conftest import wait_for
 
-    from kvcached_core import KVCacheManager
     from kvcached_core.fair_share import FairShare
     from kvcached_core.pressure import PressureWatch
 
     MiB = 1 << 20
     settings = fair_share_settings(monkeypatch, tmp_path, "64MiB", FAIR_SHARE_WAIT_MS="2000")
     child, tell = start_neighbour()
-    mine = KVCacheManager(
-        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
-    )
+    mine = my_pool(settings)
     mine.gates_admissions = True
     watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
     try:
@@ -506,7 +503,6 @@ def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_afte
     short for ``KVCACHED_FAIR_SHARE_WAIT_MS`` the cap holds every block; when its claim ends, both lift."""
     from conftest import wait_for
 
-    from kvcached_core import KVCacheManager
     from kvcached_core.fair_share import FairShare
     from kvcached_core.pressure import PressureWatch
 
@@ -516,9 +512,7 @@ def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_afte
         monkeypatch, tmp_path, "64MiB", FAIR_SHARE_WAIT_MS="2000", FAIR_SHARE_ADMIT_FIRST="1"
     )
     child, tell = start_neighbour()
-    mine = KVCacheManager(
-        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="mine", settings=settings
-    )
+    mine = my_pool(settings)
     mine.gates_admissions = True
     watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
     try:
