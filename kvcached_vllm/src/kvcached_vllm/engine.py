@@ -214,10 +214,10 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
         pool = manager.block_pool
         if type(pool) not in ELASTIC_POOLS or pool._manager is None:
             return original(manager, *args, **kwargs)
-        planner = pool._manager
-        if planner.admit_cap is not None and not planner.admits_new_requests():
+        if pool._manager.admit_cap is not None:
             request = args[0] if args else kwargs["request"]
-            if request.num_computed_tokens == 0:
+            # The request first: a running one passes without reading the allocator's state.
+            if request.num_computed_tokens == 0 and not pool._manager.admits_new_requests():
                 return None  # its own cap, not the device: no shortfall to report
         pool.checking = True
         try:
