@@ -219,6 +219,27 @@ def test_serve_pairs_each_wave_with_vanillas_same_round_and_wave():
     assert by_side["ratio_kvcached"]["ttft_p50"] is None  # not recorded: no ratio rather than an error
 
 
+def test_sides_run_in_the_order_given_and_pair_with_vanilla_wherever_it_stands(monkeypatch):
+    """A call of one round can put kvcached first, so that pairs made over several calls alternate: the first
+    round runs the sides in the order given, the next reverses it, and the ratios still divide by vanilla."""
+    parser = argparse.ArgumentParser(prog="suite")
+    suite.add_sides_argument(parser)
+    monkeypatch.delenv("KVCACHED_BENCH_RATES", raising=False)
+    monkeypatch.delenv("KVCACHED_BENCH_PROFILE_RATES", raising=False)
+    args = parser.parse_args(["--sides", "kvcached,vanilla,kvcached"])
+    suite.check_sides(parser, args)
+    assert [name for name, _, _ in args.sides] == ["kvcached", "vanilla"]
+    assert [name for name, _, _ in suite.round_order(args.sides, 1)] == ["vanilla", "kvcached"]
+
+    run = {"ok": 480, "failed": 0, "errors": [], "round": 0, "wave": 0}
+    by_side = {
+        "kvcached_rounds": [{**run, "request_throughput": 45.0}],
+        "vanilla_rounds": [{**run, "request_throughput": 50.0}],
+    }
+    suite.summarise_rounds(by_side, ["kvcached", "vanilla"])
+    assert by_side["ratio_kvcached"]["request_throughput"] == 0.9 and "ratio_vanilla" not in by_side
+
+
 def test_decode_gpu_time_is_compared_at_equal_load_over_the_bands_both_servers_reached():
     """A server that ran with more tokens in flight logs longer steps at the same cost per band: the
     equal-load ratio compares band by band, only where both have steps, and is absent where none is shared."""

@@ -50,6 +50,8 @@ def main() -> None:
     )
     try:
         result: dict = {"startup_s": time.monotonic() - started, "pools": pools("sglang")}
+        # The token pool SGLang sized from free memory: a pair's throughput compares equal pools only if equal.
+        result["kv_tokens"] = engine.get_server_info().get("max_total_num_tokens")
         with open(os.path.join(args.model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         greedy = {"temperature": 0, "max_new_tokens": args.identity_tokens, "ignore_eos": True}

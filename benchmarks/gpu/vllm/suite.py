@@ -239,6 +239,8 @@ def summarise_offline(runs: dict[str, list[dict]]) -> dict:
                 result["errors"].setdefault(side, []).append({k: run.get(k) for k in ("round", "error", "log_tail")})
                 continue
             entry = {"round": run["round"], "startup_s": run["startup_s"], **run.get("throughput", {})}
+            if run.get("kv_tokens"):
+                entry["kv_tokens"] = run["kv_tokens"]  # the pool the engine sized: a smaller one admits fewer
             van = vanilla.get(run["round"])
             if side != "vanilla" and van is not None:
                 entry["ratio_output_tokens"] = entry["output_tokens_per_s"] / van["throughput"]["output_tokens_per_s"]
@@ -618,7 +620,8 @@ def add_sides_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sides",
         default=os.environ.get("KVCACHED_BENCH_SIDES", DEFAULT_SIDES),
-        help=f"offline/serve/burst: vanilla plus any of {others} (default {DEFAULT_SIDES}, or KVCACHED_BENCH_SIDES)",
+        help=f"offline/serve/burst: vanilla plus any of {others}, the first round in this order "
+        f"(default {DEFAULT_SIDES}, or KVCACHED_BENCH_SIDES)",
     )
     parser.add_argument(
         "--rounds",
@@ -637,7 +640,10 @@ def check_sides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     chosen = args.sides.split(",")
     if "vanilla" not in chosen or not set(chosen) <= set(names):
         parser.error(f"--sides: vanilla and any of {', '.join(names[1:])}, comma-separated")
-    args.sides = [side for side in SERVER_SIDES if side[0] in chosen]  # (name, kvcached, env), in that order
+    # (name, kvcached, env) in the order given: the first round's (a call of one round can put kvcached first,
+    # so that pairs made over several calls alternate too)
+    by_name = {side[0]: side for side in SERVER_SIDES}
+    args.sides = [by_name[name] for name in dict.fromkeys(chosen)]
     if "peer" in chosen:
         if not os.path.isdir(os.path.join(PEER_PATH, "_site")):
             parser.error(
@@ -1007,7 +1013,7 @@ def summarise_rounds(by_side: dict, sides: list[str]) -> None:
         return run["round"], run.get("wave", 0)
 
     vanilla = {pair_key(r): r for r in by_side.get("vanilla_rounds", [])}
-    for side in sides[1:]:
+    for side in (s for s in sides if s != "vanilla"):
         pairs = [(vanilla[pair_key(k)], k) for k in by_side.get(f"{side}_rounds", []) if pair_key(k) in vanilla]
         ratios = {
             m: [serve_figure(k, m) / serve_figure(v, m) for v, k in pairs if serve_figure(v, m) and serve_figure(k, m)]
