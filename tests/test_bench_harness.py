@@ -240,6 +240,25 @@ def test_sides_run_in_the_order_given_and_pair_with_vanilla_wherever_it_stands(m
     assert by_side["ratio_kvcached"]["request_throughput"] == 0.9 and "ratio_vanilla" not in by_side
 
 
+def test_offline_ratios_are_given_pair_by_pair_pooled_and_after_each_engines_first_batch():
+    """Each engine's first timed batch is where a kvcached pool grows from empty: the ratio over the later
+    batches shows the steady state apart from that growth (SGLang run 9's third pair, in seconds)."""
+
+    def engine(round_: int, seconds_each: list[float]) -> dict:
+        middle = sorted(seconds_each)[1]
+        tokens = {"seconds": middle, "seconds_each": seconds_each, "output_tokens_per_s": 1000 / middle}
+        return {"round": round_, "startup_s": 30.0, "throughput": tokens, "tokens": [[1, 2]], "kv_tokens": 541270}
+
+    result = suite.summarise_offline(
+        {"vanilla": [engine(0, [13.93, 14.05, 13.99])], "kvcached": [engine(0, [14.57, 14.66, 14.27])]}
+    )
+    assert result["ratio_kvcached"] == pytest.approx(13.99 / 14.57)
+    assert result["pooled_ratio_kvcached"] == pytest.approx(13.99 / 14.57)
+    assert result["later_ratio_kvcached"] == pytest.approx(((14.05 + 13.99) / 2) / ((14.66 + 14.27) / 2))
+    assert result["rounds"]["kvcached"][0]["kv_tokens"] == 541270
+    assert result["rounds"]["kvcached"][0]["identity"]["identical"] == 1
+
+
 def test_decode_gpu_time_is_compared_at_equal_load_over_the_bands_both_servers_reached():
     """A server that ran with more tokens in flight logs longer steps at the same cost per band: the
     equal-load ratio compares band by band, only where both have steps, and is absent where none is shared."""

@@ -228,10 +228,12 @@ def round_order(sides: list[tuple], round_: int) -> list[tuple]:
 def summarise_offline(runs: dict[str, list[dict]]) -> dict:
     """Every engine's throughput, start-up and greedy tokens against vanilla's of the same round; per
     kvcached side the ratio of output tokens/s to vanilla's, pair by pair (median and range), and the ratio
-    of the pooled medians of every timed batch."""
+    of the pooled medians of every timed batch, and of every batch after each engine's first (where a kvcached
+    engine grows its pool from empty: what is left is the steady state)."""
     result: dict = {"rounds": {}, "errors": {}}
     vanilla = {r["round"]: r for r in runs.get("vanilla", []) if "throughput" in r}
     pooled: dict[str, list[float]] = {}
+    later: dict[str, list[float]] = {}
     for side, side_runs in runs.items():
         result["rounds"][side] = []
         for run in side_runs:
@@ -247,6 +249,7 @@ def summarise_offline(runs: dict[str, list[dict]]) -> dict:
                 entry["identity"] = identity(van, run)  # 32 prompts; engine cores in their own processes
             result["rounds"][side].append(entry)
             pooled.setdefault(side, []).extend(entry.get("seconds_each", []))
+            later.setdefault(side, []).extend(entry.get("seconds_each", [])[1:])
             if run.get("pools"):
                 result.setdefault("kvcached_pools", run["pools"])
     for side in result["rounds"]:
@@ -257,6 +260,8 @@ def summarise_offline(runs: dict[str, list[dict]]) -> dict:
             if pooled.get("vanilla") and pooled.get(side):
                 # the same batch on both sides: tokens/s ratio = vanilla's seconds over this side's
                 result[f"pooled_ratio_{side}"] = statistics.median(pooled["vanilla"]) / statistics.median(pooled[side])
+            if later.get("vanilla") and later.get(side):
+                result[f"later_ratio_{side}"] = statistics.median(later["vanilla"]) / statistics.median(later[side])
     return result
 
 
