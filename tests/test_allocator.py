@@ -211,7 +211,8 @@ def test_trim_keeps_pages_with_allocated_blocks(make_manager):
 def test_trim_can_keep_the_lowest_empty_pages_and_keeps_those_under_a_fair_share_cap(make_manager):
     """``trim(keep_empty_pages)`` unmaps the empty pages above the lowest ``keep_empty_pages``;
     ``trim_to_cap`` keeps as many as fit under fair share's ``admit_cap`` beside the pages in use, and
-    without a cap is ``trim``."""
+    without a cap is ``trim``. An engine trimmed to its cap maps exactly its share, and still admits: only
+    one above it waits."""
     mgr = make_manager(reserved_pages=10, reclaim_delay_ms=10_000)
     ids = mgr.alloc(BLOCKS_PER_PAGE * 6)
     mgr.free(ids[BLOCKS_PER_PAGE:])  # page 0 in use, pages 1-5 empty
@@ -221,6 +222,9 @@ def test_trim_can_keep_the_lowest_empty_pages_and_keeps_those_under_a_fair_share
     mgr.free(again)
     mgr.admit_cap = 2 * LOGICAL_PAGE  # room for one empty page beside the one in use
     assert mgr.trim_to_cap() == LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == 2 * LOGICAL_PAGE
+    assert mgr.admits_new_requests()
+    mgr.admit_cap -= 1
+    assert not mgr.admits_new_requests()
     mgr.admit_cap = None
     assert mgr.trim_to_cap() == LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == LOGICAL_PAGE
 

@@ -298,7 +298,9 @@ def test_under_an_admission_cap_new_requests_wait_and_running_ones_grow(tmp_path
     try:
         assert manager.allocate_slots(running, 600) is not None
         running.num_computed_tokens = 600
-        planner.admit_cap = planner.snapshot()["mapped_bytes"]  # at its share: no new request fits
+        planner.admit_cap = planner.snapshot()["mapped_bytes"]  # at its share: it admits into what it maps
+        assert planner.admits_new_requests()
+        planner.admit_cap -= 1  # above its share: no new request
         assert manager.allocate_slots(waiting, 300) is None  # waits in vLLM's queue
         assert planner.snapshot()["allocated_blocks"] == 38  # nothing taken for it
         more = manager.allocate_slots(running, 200)  # the running request's next tokens: 12 blocks more

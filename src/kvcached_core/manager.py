@@ -286,9 +286,10 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
 
     def admits_new_requests(self) -> bool:
         """Whether a new request may take blocks now: fair share has set no admission cap
-        (:attr:`admit_cap`), or this pool maps less than it. For plugins that set :attr:`gates_admissions`."""
+        (:attr:`admit_cap`), or this pool maps no more than it (a pool trimmed to its cap holds exactly its
+        share, and admits into it). For plugins that set :attr:`gates_admissions`."""
         cap = self.admit_cap
-        return cap is None or self._snapshot()["mapped_bytes"] < cap
+        return cap is None or self._snapshot()["mapped_bytes"] <= cap
 
     def device_spare_bytes(self) -> int:
         """Memory of this manager's device that no one holds, above the headroom KV caches leave free (for a
