@@ -99,6 +99,32 @@ def alive(pid: int) -> bool:
         return False
 
 
+def test_the_sampler_records_each_engines_mapped_memory_and_fair_shares_caps_while_set(tmp_path, monkeypatch):
+    """The multimodel and sharing runs' sampler reads kvcached's control segments as kvctl does: an engine's
+    mapped bytes in every sample, and fair share's caps on it only while set (a real manager on the host
+    backend; the caps set by hand, the policy that sets them is tests/test_coordination.py's)."""
+    import kvcached_core as kc
+
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    with kc.KVCacheManager(64, 1 << 20, 1, 1, name="sampled", settings=kc.load_settings()) as mgr:
+        mgr.alloc(3)
+        sampler = suite.Sampler(["sampled"])
+        try:
+            deadline = time.monotonic() + 5
+            while not any(s["sampled"] for s in sampler.samples) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            mgr.admit_cap = 2 << 20
+            while not any("sampled:admit_cap" in s for s in sampler.samples) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            samples = sampler.stop()
+    mapped = [s["sampled"] for s in samples if s["sampled"]]
+    assert mapped and mapped[-1] >= 3 << 20
+    capped = [s for s in samples if "sampled:admit_cap" in s]
+    assert capped and all(s["sampled:admit_cap"] == 2 << 20 for s in capped)
+    assert "sampled:yield_cap" not in samples[-1] and "sampled:admit_cap" not in samples[0]
+
+
 def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_refuses_other_traffic(tmp_path):
     """``run.py compare`` on the multimodel benchmark's own JSON: a static run written before ``--pattern``
     existed (no pattern field; it replayed staggered bursts) compares with a staggered elastic run, the
@@ -113,6 +139,7 @@ def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_r
     request = {"model": 0, "ok": True, "ttft": 0.2, "tpot": 0.01, "end_s": 5.0}
     gib = 1 << 30
     kv = [{"t": t, "m": n * gib} for t, n in ((0.0, 1), (0.05, 9), (0.1, 4))]
+    kv[1]["m:yield_cap"] = 5 * gib  # fair share capped it at one sample: drawn, and no figure of its own
     for config, pattern, ttft in (("static", {}, 0.4), ("elastic", {"pattern": "staggered"}, 0.1)):
         run = {"models": ["m"], "traffic": {**traffic, **pattern}, "requests": [{**request, "ttft": ttft}] * 2}
         if config == "elastic":

@@ -244,6 +244,37 @@ def test_kvtop_frame_and_json(runtime, capsys):
     assert run_cli(kvtop.main, ["--runtime-dir", runtime, "--json"], capsys)[0] == 2
 
 
+def test_fair_share_caps_are_shown_beside_the_limit(runtime, capsys):
+    """A pool that fair share caps while a neighbour is short (caps set by hand here; the policy that sets them:
+    tests/test_coordination.py) shows the cap and what it stops in `kvctl list`, `kvtop --once` and the JSON
+    rows, published from the real allocator through its control segment; without caps, nothing shows."""
+    s = kc.load_settings({}, runtime_dir=runtime)
+    with kc.KVCacheManager(1024, 64 * 1024, 2, 2, name="capped", settings=s) as mgr:
+        mgr.alloc(100)
+
+        def shown() -> tuple[str, str, dict]:
+            mgr._control.publish()
+            listed = run_cli(kvctl.main, ["--runtime-dir", runtime, "list"], capsys)[1]
+            top = run_cli(kvtop.main, ["--runtime-dir", runtime, "--once"], capsys)[1]
+            (row,) = list_json(runtime, capsys)
+            line = next(line for line in listed.splitlines() if line.startswith("capped"))
+            return line, top, row
+
+        line, top, row = shown()
+        assert row["admit_cap_bytes"] is None and row["yield_cap_bytes"] is None
+        assert "admitting" not in line and "yielding" not in line and "a/y:" not in top
+        mgr.admit_cap = 48 * MiB
+        line, top, row = shown()
+        assert row["admit_cap_bytes"] == 48 * MiB and "48.0M (admitting)" in line
+        assert "48.0Ma" in top and "a/y: a neighbour is short" in top
+        mgr.yield_cap = 40 * MiB
+        line, top, row = shown()
+        assert row["yield_cap_bytes"] == 40 * MiB and "40.0M (yielding)" in line and "40.0My" in top
+        mgr.admit_cap = mgr.yield_cap = None
+        line, top, row = shown()
+        assert row["admit_cap_bytes"] is None and row["yield_cap_bytes"] is None and "a/y:" not in top
+
+
 @pytest.mark.parametrize("tool", ["kvctl", "kvtop"])
 def test_cli_tools_do_not_import_torch(runtime, tool):
     code = (

@@ -503,6 +503,7 @@ def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_afte
     short for ``KVCACHED_FAIR_SHARE_WAIT_MS`` the cap holds every block; when its claim ends, both lift."""
     from conftest import wait_for
 
+    from kvcached_core.control import instances
     from kvcached_core.fair_share import FairShare
     from kvcached_core.pressure import PressureWatch
 
@@ -523,6 +524,8 @@ def test_an_engine_that_gates_admissions_stops_admitting_at_once_and_yields_afte
         tell("short")
         assert wait_for(lambda: mine.admit_cap == 32 * MiB, timeout=1)
         assert mine.yield_cap is None and not mine.admits_new_requests()
+        # kvctl and kvtop see it: the pool's published row carries the cap
+        assert wait_for(lambda: [r["admit_cap_bytes"] for r in instances(settings, name="mine")] == [32 * MiB])
         more = mine.alloc(8)  # running requests still grow: no cap on the blocks themselves
         assert more is not None
         while mine.yield_cap is None and time.monotonic() - started < 10:

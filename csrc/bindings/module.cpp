@@ -229,6 +229,8 @@ py::dict segment_dict(const SegmentInfo& i) {
       .set_limit("limit_bytes", i.limit_bytes)
       .set_u("limit_revision", i.limit_revision)
       .set("pool_ready_handles", i.pool_ready_handles)
+      .set_limit("admit_cap_bytes", i.admit_cap_bytes)
+      .set_limit("yield_cap_bytes", i.yield_cap_bytes)
       .set("counters", counters.done().release().ptr())
       .done();
 }
@@ -378,6 +380,17 @@ PYBIND11_MODULE(_native, m) {
           },
           "Bytes this allocator may map while it yields memory to a neighbour (None: no such cap); binds\n"
           "like the memory limit, which it leaves as set.")
+      .def_property(
+          "admit_cap",
+          [](const BlockAllocator& a) -> std::optional<std::uint64_t> {
+            const std::uint64_t cap = a.admit_cap();
+            return cap == BlockAllocator::kNoLimit ? std::nullopt : std::optional<std::uint64_t>(cap);
+          },
+          [](BlockAllocator& a, std::optional<std::uint64_t> cap) {
+            a.set_admit_cap(cap.value_or(BlockAllocator::kNoLimit));
+          },
+          "Bytes above which a plugin that gates admissions admits no new request while a neighbour is short\n"
+          "(None: no such cap). Never enforced by the allocator; published for kvctl and kvtop.")
       .def_property("reclaim_delay_ms", &BlockAllocator::reclaim_delay_ms, &BlockAllocator::set_reclaim_delay_ms,
                     "The demand window now: empty pages in use within the last one or two windows stay mapped.\n"
                     "Settable while the allocator runs (a policy lengthens it while no neighbour could use the\n"

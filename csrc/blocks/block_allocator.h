@@ -101,6 +101,11 @@ class BlockAllocator {
   // the memory limit (the lower of the two does) but leaves the limit, and kvctl's view of it, as set.
   void set_yield_cap(std::uint64_t bytes);
   std::uint64_t yield_cap() const noexcept { return yield_bytes_.load(std::memory_order_relaxed); }
+  // The same policy's admission cap (kNoLimit: none): never enforced here. Plugins that gate admissions read
+  // it, and the control segment publishes it beside the yield cap, so kvctl and kvtop show why an engine
+  // waits.
+  void set_admit_cap(std::uint64_t bytes) noexcept { admit_bytes_.store(bytes, std::memory_order_relaxed); }
+  std::uint64_t admit_cap() const noexcept { return admit_bytes_.load(std::memory_order_relaxed); }
   // Sets the demand window (AllocatorConfig::reclaim_delay_ms) from now on: a policy lengthens it while no
   // other engine could use this allocator's idle pages and shortens it when one could. A shorter window
   // starts at once, so pages kept for the long one go back within two of the new windows.
@@ -223,6 +228,7 @@ class BlockAllocator {
   std::atomic<std::int64_t> window_ms_{0};  // the demand window now (config_.reclaim_delay_ms at start)
   std::atomic<std::uint64_t> limit_bytes_{kNoLimit};
   std::atomic<std::uint64_t> yield_bytes_{kNoLimit};
+  std::atomic<std::uint64_t> admit_bytes_{kNoLimit};
   std::atomic<std::uint64_t> limit_revision_{0};
   std::atomic<bool> closed_{false};
 

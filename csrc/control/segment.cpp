@@ -219,6 +219,8 @@ void ControlSegment::publish_to(SegmentLayout* seg) noexcept {
   seg->limit_bytes.store(s.limit_bytes, r);
   seg->limit_revision.store(s.limit_revision, r);
   seg->pool_ready_handles.store(s.pool_ready, r);
+  seg->admit_cap_bytes.store(allocator_->admit_cap(), r);
+  seg->yield_cap_bytes.store(allocator_->yield_cap(), r);
   const OperationCounters& ops = allocator_->counters();
 #define KVCACHED_PUBLISH_COUNTER(name) seg->name.store(ops.name.load(r), r);
   KVCACHED_OPERATION_COUNTERS(KVCACHED_PUBLISH_COUNTER)
@@ -338,6 +340,8 @@ SegmentInfo read_segment(const std::string& path) {
       info.limit_bytes = s->limit_bytes.load(r);
       info.limit_revision = s->limit_revision.load(r);
       info.pool_ready_handles = s->pool_ready_handles.load(r);
+      info.admit_cap_bytes = s->admit_cap_bytes.load(r);
+      info.yield_cap_bytes = s->yield_cap_bytes.load(r);
 #define KVCACHED_READ_COUNTER(name) info.counters.name = s->name.load(r);
       KVCACHED_OPERATION_COUNTERS(KVCACHED_READ_COUNTER)
 #undef KVCACHED_READ_COUNTER

@@ -88,6 +88,7 @@ struct SegmentInfo {
   std::int64_t total_blocks, allocated_blocks, available_blocks;
   std::uint64_t mapped_bytes, used_bytes, limit_bytes, limit_revision;
   std::int64_t pool_ready_handles;
+  std::uint64_t admit_cap_bytes, yield_cap_bytes;
   struct Counters {
 #define KVCACHED_INFO_COUNTER(name) std::uint64_t name = 0;
     KVCACHED_OPERATION_COUNTERS(KVCACHED_INFO_COUNTER)

@@ -17,7 +17,7 @@
 namespace kvcached {
 
 constexpr std::uint64_t kSegmentMagic = 0x0131474553435654ULL;  // "TVCSEG\x31\x01" little-endian
-constexpr std::uint32_t kSegmentLayoutVersion = 2;              // 2: operation counters published
+constexpr std::uint32_t kSegmentLayoutVersion = 3;              // 2: operation counters published; 3: fair share's caps
 
 struct SegmentLayout {
   // -- identity: written once, before the file is visible
@@ -62,6 +62,8 @@ struct SegmentLayout {
   std::atomic<std::uint64_t> limit_bytes;
   std::atomic<std::uint64_t> limit_revision;
   std::atomic<std::int64_t> pool_ready_handles;
+  std::atomic<std::uint64_t> admit_cap_bytes;  // fair share's caps (UINT64_MAX = none): new requests wait
+  std::atomic<std::uint64_t> yield_cap_bytes;  // above the first; no block is handed out above the second
   // The pool's operation counters, in KVCACHED_OPERATION_COUNTERS order: an engine's metrics endpoint in
   // another process (vLLM's API server) reads them here.
 #define KVCACHED_SEGMENT_COUNTER(name) std::atomic<std::uint64_t> name;

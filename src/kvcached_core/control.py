@@ -31,6 +31,8 @@ ROW_FIELDS = {
     "pool_name": "pool_name",
     "limit_bytes": "limit_bytes",
     "limit_status": "limit_status",
+    "admit_cap_bytes": "admit_cap_bytes",  # fair share (None: none): no new request above it
+    "yield_cap_bytes": "yield_cap_bytes",  # fair share (None: none): no block above it
     "mapped_bytes": "mapped_bytes",
     "used_bytes": "used_bytes",
     "virtual_bytes": "virtual_bytes",

@@ -36,13 +36,25 @@ def warn_skipped(found: Scan, prog: str) -> None:
         print(f"{prog}: skipping {path}: {why}", file=sys.stderr)
 
 
+def share_cap(row: dict) -> tuple[int | None, str]:
+    """Fair share's cap on a pool while a neighbour is short, and what it does: ``yielding`` (no block above
+    it), ``admitting`` (no new request above it) or ``""`` (no cap)."""
+    if row["yield_cap_bytes"] is not None:
+        return row["yield_cap_bytes"], "yielding"
+    if row["admit_cap_bytes"] is not None:
+        return row["admit_cap_bytes"], "admitting"
+    return None, ""
+
+
 def format_table(table: list[dict]) -> str:
-    header = ("NAME", "PID", "ENGINE", "DEVICE", "POOL", "LIMIT", "MAPPED", "USED")
+    header = ("NAME", "PID", "ENGINE", "DEVICE", "POOL", "LIMIT", "SHARE", "MAPPED", "USED")
     lines = [header]
     for r in table:
         limit = format_bytes(r["limit_bytes"])
         if r["limit_status"] == "deferred":
             limit += " (shrinking)"
+        cap, doing = share_cap(r)
+        share = format_bytes(cap) + (f" ({doing})" if doing else "")
         lines.append(
             (
                 r["name"],
@@ -51,6 +63,7 @@ def format_table(table: list[dict]) -> str:
                 r["device"],
                 r["pool_name"],
                 limit,
+                share,
                 format_bytes(r["mapped_bytes"]),
                 format_bytes(r["used_bytes"]),
             )

@@ -6,6 +6,8 @@
 
 Each row is one pool of one process. The bar spans the pool's limit (or its device's memory when it has
 no limit): '#' is memory holding allocated blocks, '+' is mapped but free (the reserve), '.' is headroom.
+SHARE is fair share's cap while a neighbour on the device is short (KVCACHED_FAIR_SHARE): 'a' no new
+request above it, 'y' no block above it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 from . import control
 from .config import Settings
-from .kvctl import UsageError, _Parser, cli_settings, warn_skipped
+from .kvctl import UsageError, _Parser, cli_settings, share_cap, warn_skipped
 from .units import format_bytes
 
 BAR_WIDTH = 30
@@ -42,13 +44,17 @@ def frame(settings: Settings, live: bool = False) -> tuple[str, list[dict]]:
     total_mapped = sum(r["mapped_bytes"] for r in table)
     quits = "  (Ctrl-C quits)" if live else ""
     lines = [f"kvtop {stamp}  {len(table)} pool(s)  mapped {format_bytes(total_mapped)}{quits}", ""]
-    header = f"{'NAME':<20} {'PID':>7} {'DEVICE':<7} {'POOL':<6} {'LIMIT':>8} {'MAPPED':>8} {'USED':>8}  BAR"
+    header = (
+        f"{'NAME':<20} {'PID':>7} {'DEVICE':<7} {'POOL':<6} {'LIMIT':>8} {'SHARE':>8} {'MAPPED':>8} {'USED':>8}  BAR"
+    )
     lines.append(header)
     for r in table:
         scale = r["limit_bytes"] if r["limit_bytes"] is not None else r["device_total_bytes"]
         limit = format_bytes(r["limit_bytes"]) + ("*" if r["limit_status"] == "deferred" else "")
+        cap, doing = share_cap(r)
+        share = format_bytes(cap) + doing[:1]
         lines.append(
-            f"{r['name'][:20]:<20} {r['pid']:>7} {r['device']:<7} {r['pool_name'][:6]:<6} {limit:>8} "
+            f"{r['name'][:20]:<20} {r['pid']:>7} {r['device']:<7} {r['pool_name'][:6]:<6} {limit:>8} {share:>8} "
             f"{format_bytes(r['mapped_bytes']):>8} {format_bytes(r['used_bytes']):>8}  "
             f"{bar(r['used_bytes'], r['mapped_bytes'], scale)}"
         )
@@ -56,6 +62,8 @@ def frame(settings: Settings, live: bool = False) -> tuple[str, list[dict]]:
         lines.append("(no live kvcached instance)")
     if any(r["limit_status"] == "deferred" for r in table):
         lines.append("* above its limit: shrinking as blocks are freed")
+    if any(share_cap(r)[1] for r in table):
+        lines.append("a/y: a neighbour is short; no new request (a) or no block (y) above the equal share")
     return "\n".join(lines), table
 
 

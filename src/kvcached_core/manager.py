@@ -165,9 +165,8 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             map_ahead_pages=pick(map_ahead_pages, s.map_ahead_pages, "map_ahead_pages"),
         )
         self._backend = backend
-        # Fair share's cap on what new requests may take (kvcached_core.fair_share), for an engine whose
-        # plugin sets gates_admissions and checks it before admitting a request; None: no cap.
-        self.admit_cap: int | None = None
+        # Whether this pool's plugin checks fair share's admission cap (the native ``admit_cap``, set by
+        # kvcached_core.fair_share) before admitting a request.
         self.gates_admissions = False
         # The hot calls as plain CPython methods (see csrc/bindings/fast_path.h): no pybind11 dispatch.
         self._snapshot_labels = dict(

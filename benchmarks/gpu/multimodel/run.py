@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -299,7 +300,8 @@ def kv_held(samples: list[dict], models: list[str]) -> dict:
 
 
 def plot(runs: dict, summary: dict, path: str) -> None:
-    """TTFT p99 per model, static against elastic; the elastic run's mapped KV per engine over time."""
+    """TTFT p99 per model, static against elastic; the elastic run's mapped KV per engine over time, with
+    fair share's caps on it where the run recorded them (dotted: no new request above; dashed: no block)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,7 +318,12 @@ def plot(runs: dict, summary: dict, path: str) -> None:
     bars.legend()
     samples = runs["elastic"].get("kv_samples", [])
     for m in models:
-        mem.plot([s["t"] for s in samples], [s[m] / harness.GiB for s in samples], label=m)
+        (line,) = mem.plot([s["t"] for s in samples], [s[m] / harness.GiB for s in samples], label=m)
+        for cap, style in (("admit_cap", ":"), ("yield_cap", "--")):
+            if any(f"{m}:{cap}" in s for s in samples):  # NaN where no cap was set: the line breaks there
+                capped = [s.get(f"{m}:{cap}", math.nan) / harness.GiB for s in samples]
+                t = [s["t"] for s in samples]
+                mem.plot(t, capped, style, color=line.get_color(), linewidth=1, label=f"{m} {cap}")
     mem.set_xlabel("seconds")
     mem.set_ylabel("mapped KV (GiB)")
     mem.set_title("elastic: each engine's KV memory")

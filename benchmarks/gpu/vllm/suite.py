@@ -1085,7 +1085,9 @@ def phase_burst(args: argparse.Namespace) -> dict:
 
 
 class Sampler:
-    """Every engine's mapped KV memory (from kvcached's control segments, as kvctl reads them), every 50 ms."""
+    """Every engine's mapped KV memory (from kvcached's control segments, as kvctl reads them), every 50 ms,
+    and fair share's caps on it while a neighbour is short (``NAME:admit_cap``, ``NAME:yield_cap``, bytes:
+    only in samples where one is set)."""
 
     def __init__(self, names: list[str]) -> None:
         self.names, self.samples, self._stop = names, [], threading.Event()
@@ -1099,8 +1101,15 @@ class Sampler:
         settings = load_settings()
         while not self._stop.is_set():
             rows = control.instances(settings)
-            mapped = {n: sum(r["mapped_bytes"] for r in rows if r["name"] == n) for n in self.names}
-            self.samples.append({"t": time.monotonic() - self.t0, **mapped})
+            sample = {"t": time.monotonic() - self.t0}
+            for n in self.names:
+                mine = [r for r in rows if r["name"] == n]
+                sample[n] = sum(r["mapped_bytes"] for r in mine)
+                for cap in ("admit_cap", "yield_cap"):
+                    caps = [r[f"{cap}_bytes"] for r in mine if r[f"{cap}_bytes"] is not None]
+                    if caps:
+                        sample[f"{n}:{cap}"] = sum(caps)
+            self.samples.append(sample)
             time.sleep(0.05)
 
     def now(self) -> float:
