@@ -103,6 +103,18 @@ const PagedRegion& viewable(const PageMirror& m) {
   return m.region();
 }
 
+// One of the allocator's byte caps as a Python property: None is kNoLimit (no cap), both ways.
+template <auto Get>
+std::optional<std::uint64_t> get_cap(const BlockAllocator& a) {
+  const std::uint64_t cap = (a.*Get)();
+  return cap == BlockAllocator::kNoLimit ? std::nullopt : std::optional<std::uint64_t>(cap);
+}
+
+template <auto Set>
+void set_cap(BlockAllocator& a, std::optional<std::uint64_t> cap) {
+  (a.*Set)(cap.value_or(BlockAllocator::kNoLimit));
+}
+
 // Snapshots are polled by collectors: built with the C API (a quarter of pybind11's per-item cost).
 class DictBuilder {
  public:
@@ -369,26 +381,11 @@ PYBIND11_MODULE(_native, m) {
             return limit_dict(a.set_memory_limit(limit.value_or(BlockAllocator::kNoLimit), revision));
           },
           py::arg("limit_bytes"), py::arg("revision"))
+      .def_property("yield_cap", &get_cap<&BlockAllocator::yield_cap>, &set_cap<&BlockAllocator::set_yield_cap>,
+                    "Bytes this allocator may map while it yields memory to a neighbour (None: no such cap); binds\n"
+                    "like the memory limit, which it leaves as set.")
       .def_property(
-          "yield_cap",
-          [](const BlockAllocator& a) -> std::optional<std::uint64_t> {
-            const std::uint64_t cap = a.yield_cap();
-            return cap == BlockAllocator::kNoLimit ? std::nullopt : std::optional<std::uint64_t>(cap);
-          },
-          [](BlockAllocator& a, std::optional<std::uint64_t> cap) {
-            a.set_yield_cap(cap.value_or(BlockAllocator::kNoLimit));
-          },
-          "Bytes this allocator may map while it yields memory to a neighbour (None: no such cap); binds\n"
-          "like the memory limit, which it leaves as set.")
-      .def_property(
-          "admit_cap",
-          [](const BlockAllocator& a) -> std::optional<std::uint64_t> {
-            const std::uint64_t cap = a.admit_cap();
-            return cap == BlockAllocator::kNoLimit ? std::nullopt : std::optional<std::uint64_t>(cap);
-          },
-          [](BlockAllocator& a, std::optional<std::uint64_t> cap) {
-            a.set_admit_cap(cap.value_or(BlockAllocator::kNoLimit));
-          },
+          "admit_cap", &get_cap<&BlockAllocator::admit_cap>, &set_cap<&BlockAllocator::set_admit_cap>,
           "Bytes above which a plugin that gates admissions admits no new request while a neighbour is short\n"
           "(None: no such cap). Never enforced by the allocator; published for kvctl and kvtop.")
       .def_property("reclaim_delay_ms", &BlockAllocator::reclaim_delay_ms, &BlockAllocator::set_reclaim_delay_ms,
