@@ -1,7 +1,7 @@
 """What giving memory back to a neighbour costs a busy engine, per KV layout and page size.
 
     python benchmarks/yield_cost.py [--page-mib 2 32] [--layout per-layer block-outer] [--share 0.55]
-                                    [--concurrency 256] [--json] [--out FILE]
+                                    [--placement compact request] [--concurrency 256] [--json] [--out FILE]
 
 Fair share (``KVCACHED_FAIR_SHARE``) caps an engine above its equal share while a neighbour is short, in two
 strengths. This replays one serving trace on the real allocator (host backend, real mapping; the trace and
@@ -18,7 +18,10 @@ geometry of ``elasticity.py``, with the multimodel benchmark's lengths: prompts 
   more than the cap (``drain_steps``; null if not within ``DRAIN_STEPS``), a step being a decode step of
   every running request (31 ms for the 8B-like model of the multimodel benchmark on an H100).
 
-Both start from the same state: the trace is replayed afresh from the same seed for each.
+Both start from the same state: the trace is replayed afresh from the same seed for each. ``--placement``
+is ``KVCACHED_BLOCK_PLACEMENT``: ``compact`` (blocks fill pages in use first) or ``request`` (a request grows
+on its own last page, then on empty or new pages before other requests' partly used ones), a request's
+decode blocks asked for next to its last one as the vLLM plugin asks.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from _common import benchmark_parser, machine_info, positive_int, write_report
 from elasticity import BLOCK_BYTES, BLOCK_TOKENS, BUFFERS, LAYOUTS, NUM_BLOCKS, MiB, Request
 
 from kvcached_core import KVCacheManager, load_settings
+from kvcached_core.config import BLOCK_PLACEMENTS
 
 PROMPT_TOKENS = (256, 3072)  # the multimodel benchmark's traffic
 OUTPUT_TOKENS = (128, 1024)
@@ -41,10 +45,12 @@ RECOVER_STEPS = 100
 DRAIN_STEPS = 2000
 
 
-def steady_state(page_bytes: int, concurrency: int, layout: str, seed: int) -> tuple[KVCacheManager, list[Request]]:
+def steady_state(
+    page_bytes: int, concurrency: int, layout: str, placement: str, seed: int
+) -> tuple[KVCacheManager, list[Request]]:
     """A fresh manager (one buffer of the ``BUFFERS``-layer engine, as ``elasticity.py`` replays it) after
     ``WARM_STEPS`` steps of the trace, and the requests running then, oldest first."""
-    settings = load_settings({}, reclaim_delay_ms=0, reserved_pages=0, control=False)
+    settings = load_settings({}, reclaim_delay_ms=0, reserved_pages=0, control=False, block_placement=placement)
     mgr = KVCacheManager(
         NUM_BLOCKS,
         BLOCK_BYTES,
@@ -80,12 +86,13 @@ def decode_step(mgr: KVCacheManager, running: list[Request]) -> tuple[list[Reque
     while i < len(running):
         req = running[i]
         if req.tokens % BLOCK_TOKENS == 0:
-            ids = mgr.alloc(1)
+            near = req.blocks[-1] if mgr.places_by_request else -1  # as the vLLM plugin asks
+            ids = mgr.alloc_near(1, near)
             while ids is None and running[-1] is not req:
                 victim = running.pop()
                 mgr.free(victim.blocks)
                 preempted += 1
-                ids = mgr.alloc(1)
+                ids = mgr.alloc_near(1, near)
             if ids is None:  # itself the newest one left
                 running.pop()
                 mgr.free(req.blocks)
@@ -104,9 +111,11 @@ def decode_step(mgr: KVCacheManager, running: list[Request]) -> tuple[list[Reque
     return still, preempted
 
 
-def measure(page_bytes: int, concurrency: int, layout: str, share: float, seed: int = 1) -> dict[str, Any]:
+def measure(
+    page_bytes: int, concurrency: int, layout: str, share: float, placement: str = "compact", seed: int = 1
+) -> dict[str, Any]:
     """Both strengths from the same steady state; bytes scaled to the whole engine (``BUFFERS`` buffers)."""
-    mgr, running = steady_state(page_bytes, concurrency, layout, seed)
+    mgr, running = steady_state(page_bytes, concurrency, layout, placement, seed)
     try:
         mapped = mgr.snapshot()["mapped_bytes"]
         cap = int(mapped * share)
@@ -131,7 +140,7 @@ def measure(page_bytes: int, concurrency: int, layout: str, share: float, seed: 
         }
     finally:
         mgr.close()
-    mgr, running = steady_state(page_bytes, concurrency, layout, seed)
+    mgr, running = steady_state(page_bytes, concurrency, layout, placement, seed)
     try:
         drain = None
         for step in range(1, DRAIN_STEPS + 1):
@@ -152,20 +161,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layout", choices=LAYOUTS, nargs="+", default=list(LAYOUTS), help="KV layouts")
     parser.add_argument("--concurrency", type=positive_int, default=256, help="mean requests running")
     parser.add_argument("--share", type=float, default=0.55, help="the cap, as a fraction of what is mapped")
+    parser.add_argument(
+        "--placement", choices=BLOCK_PLACEMENTS, nargs="+", default=list(BLOCK_PLACEMENTS), help="block placements"
+    )
     args = parser.parse_args(argv)
     if args.device != "cpu":
         parser.error("the replay runs on the host backend (--device cpu): it measures the allocator's pages")
     if not 0 < args.share < 1:
         parser.error(f"--share: a fraction between 0 and 1, not {args.share}")
     results: dict[str, Any] = {}
-    for layout in args.layout:
-        for mib in args.page_mib:
-            key = f"{mib}MiB-{layout}"
-            try:
-                results[key] = measure(mib * MiB, args.concurrency, layout, args.share)
-            except (RuntimeError, ValueError) as exc:
-                print(f"yield_cost.py: {exc}", file=sys.stderr)
-                return 1
+    for placement in args.placement:
+        for layout in args.layout:
+            for mib in args.page_mib:
+                key = f"{mib}MiB-{layout}-{placement}"
+                try:
+                    results[key] = measure(mib * MiB, args.concurrency, layout, args.share, placement)
+                except (RuntimeError, ValueError) as exc:
+                    print(f"yield_cost.py: {exc}", file=sys.stderr)
+                    return 1
     report = {
         "benchmark": "yield_cost",
         "geometry": {"buffers": BUFFERS, "block_bytes": BLOCK_BYTES, "num_blocks": NUM_BLOCKS},
@@ -178,12 +191,12 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(text)
     else:
-        head = ("page", 22), ("running", 8), ("mapped", 7), ("cap", 7), ("preempted", 10), ("share", 6)
+        head = ("page", 30), ("running", 8), ("mapped", 7), ("cap", 7), ("preempted", 10), ("share", 6)
         print(" ".join(f"{name:>{width}}" for name, width in head), f"{'drain steps':>12}")
         for key, r in results.items():
             y = r["yield"]
             print(
-                f"{key:>22} {r['running']:>8} {r['mapped_gib']:>7} {r['cap_gib']:>7} {y['preempted']:>10} "
+                f"{key:>30} {r['running']:>8} {r['mapped_gib']:>7} {r['cap_gib']:>7} {y['preempted']:>10} "
                 f"{y['preempted_fraction']:>6} {r['admit_first']['drain_steps']!s:>12}"
             )
     return 0

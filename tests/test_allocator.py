@@ -41,6 +41,43 @@ def test_partially_used_pages_are_filled_before_empty_ones(make_manager):
     assert mgr.snapshot()["used_pages"] == 2
 
 
+def test_a_request_grows_on_the_page_of_its_last_block(make_manager):
+    mgr = make_manager(reserved_pages=8)
+    a = mgr.alloc(4)  # request A: page 0
+    b = mgr.alloc(BLOCKS_PER_PAGE)  # request B: the rest of page 0, then page 1
+    mgr.free(b[-2:])  # room on B's last page
+    mgr.free(a[2:])  # and on page 0, which a plain alloc fills first
+    plain = mgr.alloc(2)
+    assert {x // BLOCKS_PER_PAGE for x in plain} == {a[0] // BLOCKS_PER_PAGE}
+    mgr.free(plain)
+    grown = mgr.alloc_near(2, b[-3])  # B's next blocks go beside its last one
+    assert {x // BLOCKS_PER_PAGE for x in grown} == {b[-3] // BLOCKS_PER_PAGE} != {a[0] // BLOCKS_PER_PAGE}
+    assert mgr.alloc_near(1, 10_000) is not None  # a hint that is no block is ignored
+    mgr.free(a[:2])
+    assert mgr.alloc_near(1, a[0]) is not None  # ... and so is a free one
+    with pytest.raises(ValueError):
+        mgr.alloc_near(0, b[0])
+
+
+def test_request_placement_takes_pages_of_its_own_before_others_partly_used_ones(make_manager, settings):
+    from dataclasses import replace
+
+    mgr = make_manager(reserved_pages=8, settings=replace(settings, block_placement="request"))
+    assert mgr.places_by_request
+    first = mgr.alloc(4)  # page 0, partly used
+    second = mgr.alloc(4)  # a new page, not the rest of page 0
+    assert {x // BLOCKS_PER_PAGE for x in first}.isdisjoint({x // BLOCKS_PER_PAGE for x in second})
+    mgr.free(second)  # that page is empty again, and reused before page 0's free blocks
+    third = mgr.alloc(4)
+    assert {x // BLOCKS_PER_PAGE for x in third} == {second[0] // BLOCKS_PER_PAGE}
+    # Under a memory limit of what is mapped, others' partly used pages are the fallback.
+    mgr.set_memory_limit(mgr.snapshot()["mapped_bytes"])
+    used = mgr.snapshot()["used_pages"]
+    fallback = mgr.alloc(8)
+    assert fallback is not None and mgr.snapshot()["used_pages"] == used
+    assert not make_manager(reserved_pages=8).places_by_request  # compact is the default
+
+
 def test_virtual_capacity_exhaustion_returns_none_and_changes_nothing(make_manager):
     mgr = make_manager(num_blocks=64)
     held = mgr.alloc(60)

@@ -35,13 +35,12 @@ bool to_int64(PyObject* obj, std::int64_t& out, const char* what) {
   return !(out == -1 && PyErr_Occurred());
 }
 
-PyObject* fp_alloc(PyObject* self, PyObject* arg) {
+// alloc(count) after the block `near` of the same request (-1: none), as a list; None when not served.
+PyObject* alloc_list(PyObject* self, std::int64_t count, std::int64_t near) {
   static thread_local std::vector<std::int32_t> ids;
-  std::int64_t count = 0;
-  if (!to_int64(arg, count, "alloc() count")) return nullptr;
   ids.clear();
   try {
-    if (!allocator_of(self).alloc(count, ids)) Py_RETURN_NONE;
+    if (!allocator_of(self).alloc(count, ids, false, near)) Py_RETURN_NONE;
   } catch (...) {
     set_python_error();
     return nullptr;
@@ -52,6 +51,23 @@ PyObject* fp_alloc(PyObject* self, PyObject* arg) {
     PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyLong_FromLong(ids[i]));
   }
   return list;
+}
+
+PyObject* fp_alloc(PyObject* self, PyObject* arg) {
+  std::int64_t count = 0;
+  if (!to_int64(arg, count, "alloc() count")) return nullptr;
+  return alloc_list(self, count, -1);
+}
+
+PyObject* fp_alloc_near(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "alloc_near() takes (count, near)");
+    return nullptr;
+  }
+  std::int64_t count = 0;
+  std::int64_t near = 0;
+  if (!to_int64(args[0], count, "alloc_near() count") || !to_int64(args[1], near, "alloc_near() near")) return nullptr;
+  return alloc_list(self, count, near);
 }
 
 // Frees `n` ids; None, or nullptr with the Python error set (nothing freed on a bad id).
@@ -175,6 +191,9 @@ PyMethodDef fp_methods[] = {
     {"alloc", fp_alloc, METH_O,
      "alloc(count) -> list[int] | None\n\nDistinct block ids, or None when virtual capacity, physical memory "
      "or the memory limit cannot serve `count` blocks now. ValueError for count <= 0."},
+    {"alloc_near", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fp_alloc_near)), METH_FASTCALL,
+     "alloc_near(count, near) -> list[int] | None\n\nalloc(count) for a request whose last block is `near`: the "
+     "free blocks on that block's page come first (an id that is not allocated is ignored)."},
     {"free", fp_free, METH_O,
      "free(ids) -> None\n\nFree block ids. ValueError (and nothing freed) on an unknown, reserved or duplicate id."},
     {"alloc_into", fp_alloc_into, METH_VARARGS,

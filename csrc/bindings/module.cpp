@@ -333,7 +333,7 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init([](std::shared_ptr<MemoryBackend> backend, std::int64_t num_blocks, std::int64_t block_bytes,
                        std::int64_t num_buffers, std::int64_t page_bytes, bool reserve_null_block,
                        std::int64_t reserved_pages, std::int64_t reclaim_delay_ms, std::int64_t pool_target,
-                       std::int64_t pool_max, bool zero_on_map, std::int64_t map_ahead_pages) {
+                       std::int64_t pool_max, bool zero_on_map, std::int64_t map_ahead_pages, bool place_by_request) {
              AllocatorConfig c;
              c.num_blocks = num_blocks;
              c.block_bytes = block_bytes;
@@ -346,12 +346,13 @@ PYBIND11_MODULE(_native, m) {
              c.pool_max = pool_max;
              c.zero_on_map = zero_on_map;
              c.map_ahead_pages = map_ahead_pages;
+             c.place_by_request = place_by_request;
              return std::make_shared<BlockAllocator>(std::move(backend), c);
            }),
            py::arg("backend"), py::arg("num_blocks"), py::arg("block_bytes"), py::arg("num_buffers"),
            py::arg("page_bytes"), py::arg("reserve_null_block"), py::arg("reserved_pages"), py::arg("reclaim_delay_ms"),
            py::arg("pool_target"), py::arg("pool_max"), py::arg("zero_on_map"), py::arg("map_ahead_pages") = 0,
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("place_by_request") = false, py::call_guard<py::gil_scoped_release>())
       .def(
           "_fast_path",
           [](std::shared_ptr<BlockAllocator> self) {

@@ -282,7 +282,7 @@ void BlockAllocator::add_mapped_page(std::int32_t page_id) {
   bump(empty_free_, static_cast<std::int64_t>(page.capacity));
 }
 
-bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit) {
+bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit, std::int64_t near) {
   if (count <= 0) throw InvalidArgument("alloc() needs a positive number of blocks, got " + std::to_string(count));
   std::unique_lock<std::mutex> lock(mu_);
   check_open();
@@ -303,40 +303,49 @@ bool BlockAllocator::alloc(std::int64_t count, std::vector<std::int32_t>& out, b
 
   const std::size_t start = out.size();
   std::int64_t need = count;
-  // 1. Partially used pages: no new page becomes used.
-  while (need > 0 && !partial_.items.empty()) {
+  auto take = [&](std::int32_t page_id) {
     const std::size_t before = out.size();
-    take_from_page(partial_.items.back(), need, out);
+    take_from_page(page_id, need, out);
     need -= static_cast<std::int64_t>(out.size() - before);
+  };
+  // The free blocks beside the request's last one: its growth stays on its page.
+  if (near >= 0 && near < config_.num_blocks && allocated_[static_cast<std::size_t>(near)] != 0) {
+    const std::int32_t page_id = page_of(static_cast<std::int32_t>(near));
+    if (page_id >= 0 && pages_[static_cast<std::size_t>(page_id)].list == ListId::kPartial) take(page_id);
   }
-  // 2. Mapped empty pages, then 3. new pages, each within the memory limit.
-  bool ok = true;
-  while (need > 0) {
-    if (used_pages >= allowed) {
-      ok = false;
-      break;
-    }
-    if (empty_.items.empty()) {
-      MapResult r;
-      try {
-        r = map_or_wait(lock, allowed);
-      } catch (...) {
-        for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
-        out.resize(start);
-        kvcached::count(counters_.allocation_errors_total);
-        throw;
+  auto take_partial = [&] {  // partially used pages: no new page becomes used
+    while (need > 0 && !partial_.items.empty()) take(partial_.items.back());
+  };
+  // Mapped empty pages, then new pages, each within the memory limit, until `need` is met or no page can
+  // be had (false).
+  auto take_fresh = [&]() -> bool {
+    while (need > 0) {
+      if (used_pages >= allowed) return false;
+      if (empty_.items.empty()) {
+        MapResult r;
+        try {
+          r = map_or_wait(lock, allowed);
+        } catch (...) {
+          for (std::size_t i = out.size(); i-- > start;) return_block(out[i]);
+          out.resize(start);
+          kvcached::count(counters_.allocation_errors_total);
+          throw;
+        }
+        if (r == MapResult::kRetry) continue;
+        if (r != MapResult::kMapped) return false;
       }
-      if (r == MapResult::kRetry) continue;
-      if (r != MapResult::kMapped) {
-        ok = false;
-        break;
-      }
+      take(empty_.items.back());
+      ++used_pages;
     }
-    const std::size_t before = out.size();
-    take_from_page(empty_.items.back(), need, out);
-    need -= static_cast<std::int64_t>(out.size() - before);
-    ++used_pages;
+    return true;
+  };
+  if (config_.place_by_request) {
+    if (!take_fresh()) take_partial();  // others' pages only when no page of its own can be had
+  } else {
+    take_partial();
+    take_fresh();
   }
+  const bool ok = need == 0;
   if (!ok) {
     // Roll back: the caller sees no change. Pages mapped meanwhile stay as reusable empty pages: the demand
     // was real and its retry will want them, so they count as this window's demand (else the reclaimer,

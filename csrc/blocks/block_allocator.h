@@ -52,6 +52,10 @@ struct AllocatorConfig {
   std::int64_t pool_target = 4;          // physical handles the pool thread keeps ready (0 = none)
   std::int64_t pool_max = 16;            // bound on pooled handles
   bool zero_on_map = false;              // zero pages when they are mapped
+  // Where blocks go. false: pages already in use first, so that few pages are used. true: a request's
+  // blocks on pages of its own (empty and new pages before other requests' partly used ones), so that a
+  // finished or preempted request empties pages, and giving memory back costs in proportion.
+  bool place_by_request = false;
 };
 
 struct AllocatorSnapshot {
@@ -80,8 +84,9 @@ class BlockAllocator {
   // Appends `count` distinct block ids to `out` and returns true, or returns false and changes nothing
   // when virtual capacity, physical memory or the memory limit cannot serve them now. `past_limit`
   // ignores the memory limit for this call (an engine honouring a promise made before the limit fell;
-  // the limit holds again from the next call).
-  bool alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit = false);
+  // the limit holds again from the next call). `near` (an allocated block, or -1) is the last block of the
+  // request these blocks extend: the free blocks of its page come first, so a request grows on its page.
+  bool alloc(std::int64_t count, std::vector<std::int32_t>& out, bool past_limit = false, std::int64_t near = -1);
   // Frees `ids`. Throws InvalidArgument (and frees nothing) on an unknown, reserved or duplicate id.
   void free(const std::int64_t* ids, std::size_t count);
   // Blocks alloc() could hand out now (a lower bound). Lock-free, no driver call. Fresh pages count by a

@@ -190,9 +190,10 @@ def test_with_fair_share_an_engine_above_an_equal_share_stops_taking_blocks_whil
         neighbour.wait()
 
 
-def scheduler_kv_manager(tmp_path):
+def scheduler_kv_manager(tmp_path, placement: str = "compact"):
     """vLLM's own scheduler-side ``KVCacheManager`` (its coordinator and the patched pool) for 1024 blocks of
-    one attention layer, over a real planner on a 64 MiB host budget: (settings, planner, vLLM's manager)."""
+    one attention layer (32 a page), over a real planner on a 64 MiB host budget with ``placement``'s block
+    placement: (settings, planner, vLLM's manager)."""
     import torch
     from vllm.plugins import load_general_plugins
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
@@ -203,7 +204,7 @@ def scheduler_kv_manager(tmp_path):
 
     load_general_plugins()
     runtime.close_all()
-    settings = kc.load_settings({}, runtime_dir=str(tmp_path), host_device_bytes=64 << 20)
+    settings = kc.load_settings({}, runtime_dir=str(tmp_path), host_device_bytes=64 << 20, block_placement=placement)
     planner = kc.KVCacheManager(
         1024,
         64 << 10,
@@ -309,6 +310,41 @@ def test_under_an_admission_cap_new_requests_wait_and_running_ones_grow(tmp_path
         planner.admit_cap = None
         assert manager.allocate_slots(waiting, 300) is not None
         assert planner.snapshot()["allocated_blocks"] == 50 + 19
+    finally:
+        runtime.close_all()
+
+
+@pytest.mark.parametrize("placement", ["compact", "request"])
+def test_with_request_placement_each_request_grows_on_pages_of_its_own(tmp_path, monkeypatch, placement):
+    """``KVCACHED_BLOCK_PLACEMENT=request``: vLLM's own ``KVCacheManager.allocate_slots`` places a second
+    request on a page of its own, and each request's next blocks beside its last one, so that preempting or
+    finishing one empties its pages; compact placement (the default) fills the first request's page instead.
+    Real vLLM scheduler-side code over a real planner on the host backend."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvcached_vllm import runtime
+
+    _, planner, manager = scheduler_kv_manager(tmp_path, placement)
+    per_page = planner.page_bytes // planner.block_bytes
+
+    def pages(request: Request) -> set[int]:
+        return {b // per_page for b in manager.get_block_ids(request.request_id)[0]}
+
+    first, second = (Request(n, list(range(100)), SamplingParams(max_tokens=64), None) for n in ("a", "b"))
+    try:
+        for request in (first, second):  # 7 blocks each
+            assert manager.allocate_slots(request, 100) is not None
+            request.num_computed_tokens = 100
+        for _ in range(3):  # one block more each, in turn
+            for request in (first, second):
+                assert manager.allocate_slots(request, 16) is not None
+                request.num_computed_tokens += 16
+        if placement == "request":
+            assert len(pages(first)) == len(pages(second)) == 1 and pages(first) != pages(second)
+        else:
+            assert pages(first) == pages(second)  # both on the page of the null block
     finally:
         runtime.close_all()
 

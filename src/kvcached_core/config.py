@@ -51,13 +51,19 @@ def _size(text: str) -> int:
 
 
 KV_LAYOUTS = ("engine", "block-outer")
+BLOCK_PLACEMENTS = ("compact", "request")
 
 
-def _kv_layout(text: str) -> str:
-    value = text.strip().lower()
-    if value not in KV_LAYOUTS:
-        raise ValueError(f"{text!r} is not a KV layout; use {' or '.join(KV_LAYOUTS)}")
-    return value
+def _one_of(what: str, choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A parser for one of ``choices`` (any case), whose error names ``what`` and the choices."""
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{text!r} is not a {what}; use {' or '.join(choices)}")
+        return value
+
+    return parse
 
 
 def _default_runtime_dir() -> str:
@@ -98,6 +104,7 @@ class Settings:
     fair_share_wait_ms: int = 0
     fair_share_admit_first: bool = False
     kv_layout: str = "engine"
+    block_placement: str = "compact"
     runtime_dir: str | None = None
 
     def resolved_runtime_dir(self) -> str:
@@ -200,10 +207,18 @@ SETTINGS: dict[str, Setting] = {
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",
-        _kv_layout,
+        _one_of("KV layout", KV_LAYOUTS),
         "engine: the engine's own KV layout (vLLM: one buffer per layer); block-outer: every layer's K and V of a "
         "block side by side (vLLM with an attention backend that reads KV by block stride, e.g. FlashAttention), "
         "so a page gives back whole blocks of all layers: a unit 1/layers of the engine layout's",
+    ),
+    "block_placement": Setting(
+        "KVCACHED_BLOCK_PLACEMENT",
+        _one_of("block placement", BLOCK_PLACEMENTS),
+        "compact: new blocks fill pages already in use first, so few pages are mapped; request: a vLLM request "
+        "grows on its own last page, then on empty or new pages before other requests' partly used ones, so a "
+        "finished or preempted request empties pages and a yield to a neighbour preempts in proportion to what "
+        "it gives back (more pages partly used while busy)",
     ),
     "runtime_dir": Setting(
         "KVCACHED_RUNTIME_DIR",

@@ -163,8 +163,11 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             pool_max=pick(pool_max, s.pool_max, "pool_max"),
             zero_on_map=s.zero_on_map if zero_on_map is None else bool(zero_on_map),
             map_ahead_pages=pick(map_ahead_pages, s.map_ahead_pages, "map_ahead_pages"),
+            place_by_request=s.block_placement == "request",
         )
         self._backend = backend
+        # KVCACHED_BLOCK_PLACEMENT=request: the plugin passes each request's last block to ``alloc_near``.
+        self.places_by_request = s.block_placement == "request"
         # Whether this pool's plugin checks fair share's admission cap (the native ``admit_cap``, set by
         # kvcached_core.fair_share) before admitting a request.
         self.gates_admissions = False
@@ -174,6 +177,7 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         )
         fast = self._fast_path()
         self.alloc = fast.alloc
+        self.alloc_near = fast.alloc_near
         self.free = fast.free
         self.available_size = fast.available_size
         self.alloc_into = fast.alloc_into
@@ -226,6 +230,12 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
         """``count`` distinct block ids, or None when virtual capacity, physical memory or the memory limit
         cannot serve them now. ValueError for ``count <= 0``."""
         return self._fast_path().alloc(count)
+
+    def alloc_near(self, count: int, near: int) -> list[int] | None:
+        """:meth:`alloc` for a request whose last block is ``near``: the free blocks on that block's page come
+        first, so a request grows on its own page (an id not allocated is ignored). Where the rest go is
+        ``KVCACHED_BLOCK_PLACEMENT``'s."""
+        return self._fast_path().alloc_near(count, near)
 
     def free(self, ids: Sequence[int]) -> None:
         """Free block ids. ValueError (and nothing freed) on an unknown, reserved or duplicate id."""

@@ -595,6 +595,8 @@ SERVER_SIDES = [
     ("kvcached-kept", True, {"KVCACHED_RECLAIM_DELAY_MS": "600000"}),
     # every layer's block side by side in one buffer: a page moves 1/layers of what it moves otherwise
     ("kvcached-block-outer", True, {"KVCACHED_KV_LAYOUT": "block-outer"}),
+    # ... with each request's blocks on pages of its own (what a yield to a neighbour costs in proportion)
+    ("kvcached-request", True, {"KVCACHED_KV_LAYOUT": "block-outer", "KVCACHED_BLOCK_PLACEMENT": "request"}),
     # two pages (2 x 32 MiB in each buffer: 32k tokens here) mapped ahead by a background thread
     ("kvcached-ahead", True, {"KVCACHED_MAP_AHEAD_PAGES": "2"}),
     # no backstop under unmapped pages: every map and unmap one page-table change instead of two

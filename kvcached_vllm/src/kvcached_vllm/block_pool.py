@@ -20,6 +20,7 @@ the oldest others. When another engine on the same device runs short of memory,
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -31,6 +32,10 @@ from kvcached_core import KVCacheManager
 from kvcached_core.promise import SchedulerCount
 
 from . import runtime
+
+logger = logging.getLogger("vllm.kvcached")
+# Blocks per page up to which a request's own page fills soon (block-outer pages of a few MiB hold tens).
+_REQUEST_PAGE_BLOCKS = 64
 
 
 class ElasticBlockPool(BlockPool):
@@ -66,6 +71,17 @@ class ElasticBlockPool(BlockPool):
         # plans to take right after its next free-block check.
         self.checking = False
         self.planned = 0
+        # With KVCACHED_BLOCK_PLACEMENT=request, the allocate-slots unit sets ``near`` to the last block of
+        # the request it allocates for (-1: none), so the request grows on its own page.
+        self.near = -1
+        self.places_by_request = self._manager is not None and self._manager.places_by_request
+        if self.places_by_request and self._blocks_per_page > _REQUEST_PAGE_BLOCKS:
+            logger.warning(
+                "kvcached: KVCACHED_BLOCK_PLACEMENT=request with %d blocks per page: a request's page is mostly "
+                "unused while it is short; KVCACHED_KV_LAYOUT=block-outer (pages of whole blocks of every "
+                "layer) fits it",
+                self._blocks_per_page,
+            )
         self._available = self._manager.available_size if self._manager is not None else None
         if self._manager is not None:
             self._manager.gates_admissions = True  # allocate_slots holds new requests to fair share's cap
@@ -108,10 +124,12 @@ class ElasticBlockPool(BlockPool):
         ValueError, as vLLM's own pool raises, beyond what was last counted."""
         if self._manager is None:
             return super().get_new_blocks(num_blocks)
-        ids = self._manager.alloc(num_blocks)
+        near, manager = self.near, self._manager
+        alloc = manager.alloc if near < 0 else lambda n: manager.alloc_near(n, near)
+        ids = alloc(num_blocks)
         while ids is None and self._cached_free:
-            self._evict(max(1, num_blocks - self._manager.available_size()))
-            ids = self._manager.alloc(num_blocks)
+            self._evict(max(1, num_blocks - manager.available_size()))
+            ids = alloc(num_blocks)
         # Blocks within the scheduler's last count are served even if a limit or another process took the
         # memory since; beyond it vLLM's own pool fails the same way.
         ids = self._count.honour(num_blocks, ids, on_short=self._report_shortfall)

@@ -208,23 +208,28 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     its free-block check maps the blocks it then takes (:meth:`ElasticBlockPool.get_num_free_blocks`); when
     the scheduler cannot get blocks because the device is full, tell the other engines on it (they give
     back cached prefix blocks). While fair share caps admissions (``admit_cap``), a request with nothing
-    computed yet (a new or a preempted one) is refused as when blocks run out: it waits in vLLM's queue."""
+    computed yet (a new or a preempted one) is refused as when blocks run out: it waits in vLLM's queue. With
+    ``KVCACHED_BLOCK_PLACEMENT=request`` the pool learns the request's last block (``near``)."""
 
     def allocate_slots(manager: Any, *args: Any, **kwargs: Any) -> Any:
         pool = manager.block_pool
         if type(pool) not in ELASTIC_POOLS or pool._manager is None:
             return original(manager, *args, **kwargs)
+        request = args[0] if args else kwargs["request"]
         if pool._manager.admit_cap is not None:
-            request = args[0] if args else kwargs["request"]
             # The request first: a running one passes without reading the allocator's state.
             if request.num_computed_tokens == 0 and not pool._manager.admits_new_requests():
                 return None  # its own cap, not the device: no shortfall to report
+        if pool.places_by_request:
+            own = manager.coordinator.get_blocks(request.request_id)[0]
+            pool.near = own[-1].block_id if own else -1
         pool.checking = True
         try:
             blocks = original(manager, *args, **kwargs)
         finally:
             pool.checking = False
             pool.planned = 0
+            pool.near = -1
         if blocks is None:
             watch = runtime.pressure_watch()
             if watch is not None:

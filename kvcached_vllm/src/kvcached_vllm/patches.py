@@ -239,7 +239,8 @@ PATCHES: tuple[Patch, ...] = (
         "wrap",
         allocate_slots,
         "the scheduler's last check maps the blocks it then takes; one short of device memory tells the "
-        "other engines there; new requests wait while fair share caps admissions",
+        "other engines there; new requests wait while fair share caps admissions; a request's next blocks are "
+        "placed beside its last (KVCACHED_BLOCK_PLACEMENT=request)",
         releases=ALL,
     ),
     Patch(
@@ -263,6 +264,7 @@ PATCHES: tuple[Patch, ...] = (
 # Engine symbols the plugin relies on without patching them: checked at load like the targets.
 USED_SYMBOLS: tuple[Uses, ...] = (
     Uses("vllm.v1.core.block_pool.BlockPool._maybe_evict_cached_block", ALL),
+    Uses("vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_blocks", ALL),
     Uses("vllm.v1.core.block_pool.BlockPool._notify_reuse", REUSE_WATCHERS),
     Uses("vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue.remove", ALL),
     Uses("vllm.v1.kv_cache_interface.UniformTypeKVCacheSpecs", ALL),
