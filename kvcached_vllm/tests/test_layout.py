@@ -166,15 +166,19 @@ def warm_up_stand_in(model_runner, worker_execute_model, worker_sample_tokens):
     worker_execute_model(decode)
 
 
-def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("placement", ["compact", "request"])
+def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeypatch, placement):
     """On the direct path the blocks vLLM's warm-up picks itself are held (mapped) while it runs: the stand-in
     writes every block it names into kvcached's host memory, where an unmapped page would fault the test
-    process; afterwards they are free again. Blocks the warm-up needs but cannot get are a clear error."""
+    process; afterwards they are free again. Blocks the warm-up needs but cannot get are a clear error. Both
+    block placements hand the warm-up its ids in order (request placement would start a new page for the
+    decode step's blocks, were they not asked for beside the prefill's)."""
     from kvcached_core import KVCacheManager
     from kvcached_vllm import runtime
     from kvcached_vllm.worker import WarmupBlocks, warm_up_on_held_blocks
 
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_BLOCK_PLACEMENT", placement)
     blocks = 1024  # of 8 KiB: 256 to a 2 MiB page
     planner = KVCacheManager(blocks, PAGE, 1, 1, reserve_null_block=True, reserved_pages=0, name="warm-up")
     runtime.add_planner(blocks, planner)

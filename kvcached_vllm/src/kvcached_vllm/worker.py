@@ -280,7 +280,9 @@ class WarmupBlocks:
         if top <= len(self.held):
             return
         wanted = list(range(len(self.held) + 1, top + 1))
-        got = self.memory.alloc(len(wanted))
+        # Beside the last one held (at first the null block, 0): with KVCACHED_BLOCK_PLACEMENT=request a plain
+        # alloc would start on a new page.
+        got = self.memory.alloc_near(len(wanted), self.held[-1] if self.held else 0)
         if got != wanted:
             if got:
                 self.memory.free(got)
