@@ -166,21 +166,22 @@ def warm_up_stand_in(model_runner, worker_execute_model, worker_sample_tokens):
     worker_execute_model(decode)
 
 
-@pytest.mark.parametrize("placement", ["compact", "request"])
-def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeypatch, placement):
+@pytest.mark.parametrize(("placement", "block_bytes"), [("compact", PAGE), ("request", PAGE), ("compact", 3 * PAGE)])
+def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeypatch, placement, block_bytes):
     """On the direct path the blocks vLLM's warm-up picks itself are held (mapped) while it runs: the stand-in
     writes every block it names into kvcached's host memory, where an unmapped page would fault the test
     process; afterwards they are free again. Blocks the warm-up needs but cannot get are a clear error. Both
-    block placements hand the warm-up its ids in order (request placement would start a new page for the
-    decode step's blocks, were they not asked for beside the prefill's)."""
+    block placements hand the warm-up its pages in order (request placement would start a new page for the
+    decode step's blocks, were they not asked for beside the prefill's), and blocks of 24 KiB, some of which
+    straddle two 2 MiB pages and are never handed out, are written on mapped pages too."""
     from kvcached_core import KVCacheManager
     from kvcached_vllm import runtime
     from kvcached_vllm.worker import WarmupBlocks, warm_up_on_held_blocks
 
     monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("KVCACHED_BLOCK_PLACEMENT", placement)
-    blocks = 1024  # of 8 KiB: 256 to a 2 MiB page
-    planner = KVCacheManager(blocks, PAGE, 1, 1, reserve_null_block=True, reserved_pages=0, name="warm-up")
+    blocks = 1024  # of 8 KiB: 256 to a 2 MiB page; of 24 KiB: 85 and a third, every third page's first straddles
+    planner = KVCacheManager(blocks, block_bytes, 1, 1, reserve_null_block=True, reserved_pages=0, name="warm-up")
     runtime.add_planner(blocks, planner)
     runner = SimpleNamespace(kv_cache_config=SimpleNamespace(kvcached={"direct": True}, num_blocks=blocks))
     memory = planner.buffer(0)
@@ -188,12 +189,12 @@ def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeyp
 
     def execute(scheduler_output):
         for block in WarmupBlocks.block_ids(scheduler_output):
-            memory[block * PAGE : (block + 1) * PAGE].fill_(block % 251)
+            memory[block * block_bytes : (block + 1) * block_bytes].fill_(block % 251)
             written.append(block)
 
     try:
         warm_up_on_held_blocks(warm_up_stand_in, runner, execute, lambda grammar: None)
-        # Blocks 256 to 308 lie on page 1, which is mapped only because the warm-up's blocks are held.
+        # With 8 KiB blocks, 256 to 308 lie on page 1, which is mapped only because the warm-up's blocks are held.
         assert sorted(written) == list(range(1, 309))
         assert planner.snapshot()["allocated_blocks"] == 0  # given back after the warm-up
         taken = planner.alloc(1)  # a block in use: the warm-up's ids are no longer the ones kvcached hands out

@@ -260,12 +260,15 @@ class WarmupBlocks:
 
     vLLM's V2 model runner warms up with requests it makes itself, on block ids it picks itself (1, 2, ...
     in order, ``v1/worker/gpu/warmup.py``), outside the scheduler's block pool. At start-up nothing else
-    holds blocks, so kvcached hands out exactly those ids, lowest first; anything else is refused loudly.
+    holds blocks, so kvcached hands out every block of the pages those ids lie on, lowest first; anything
+    else is refused loudly. Whole pages, because kvcached never hands out a block that straddles two pages
+    (block-outer blocks of 28 layers, 1.75 MiB, do in 32 MiB pages) and the warm-up writes those too.
     """
 
     def __init__(self, memory: Any) -> None:
         self.memory = memory
         self.held: list[int] = []
+        self.covered = 0  # blocks 1..covered lie on pages held
 
     @staticmethod
     def block_ids(scheduler_output: Any) -> list[int]:
@@ -275,14 +278,17 @@ class WarmupBlocks:
         return [block for group in groups for ids in group for block in ids]
 
     def cover(self, scheduler_output: Any) -> None:
-        """Hold blocks 1..N, N the highest id ``scheduler_output`` uses."""
+        """Hold the pages of blocks 1..N, N the highest id ``scheduler_output`` uses."""
         top = max(self.block_ids(scheduler_output), default=0)
-        if top <= len(self.held):
+        if top <= self.covered:
             return
-        wanted = list(range(len(self.held) + 1, top + 1))
+        size, page = self.memory.block_bytes, self.memory.page_bytes
+        last = min(((top + 1) * size - 1) // page * page + page, self.memory.num_blocks * size) // size - 1
+        # The blocks kvcached hands out there: those within one page.
+        wanted = [b for b in range(self.covered + 1, last + 1) if b * size // page == ((b + 1) * size - 1) // page]
         # Beside the last one held (at first the null block, 0): with KVCACHED_BLOCK_PLACEMENT=request a plain
         # alloc would start on a new page.
-        got = self.memory.alloc_near(len(wanted), self.held[-1] if self.held else 0)
+        got = self.memory.alloc_near(len(wanted), self.held[-1] if self.held else 0) if wanted else []
         if got != wanted:
             if got:
                 self.memory.free(got)
@@ -292,12 +298,14 @@ class WarmupBlocks:
                 "--max-num-seqs or free device memory, or set KVCACHED_ENABLE=0"
             )
         self.held += got
+        self.covered = last
 
     def release(self) -> None:
         """Frees the blocks the warm-up held."""
         if self.held:
             self.memory.free(self.held)
             self.held = []
+        self.covered = 0
 
 
 def warm_up_on_held_blocks(original: Callable[..., Any], model_runner: Any, *args: Any, **kwargs: Any) -> Any:
