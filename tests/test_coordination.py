@@ -79,6 +79,42 @@ def test_a_killed_holder_never_blocks_the_next_start_up(settings, tmp_path):
     lock.release()
 
 
+def test_a_failed_start_up_holds_the_lock_until_its_process_exits_or_the_delay_ends(settings, tmp_path):
+    """An engine whose start-up failed still holds device memory until its process is gone: the lock stays
+    held until then (the child exits), or for ``delay_s`` in a process that lives on."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from kvcached_core import load_settings
+        from kvcached_core.startup_lock import StartupLock
+        lock = StartupLock(load_settings(), "gpu-A")
+        lock.acquire()
+        lock.release_later(60)
+        print("failed", flush=True)
+        sys.stdin.readline()
+        """
+    )
+    env = dict(os.environ, KVCACHED_RUNTIME_DIR=str(tmp_path))
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "failed"
+        assert StartupLock(settings, "gpu-A", timeout_s=0.3).acquire() >= 0.3  # still held after the failure
+        child.stdin.write("\n")  # the process exits
+        child.stdin.flush()
+        child.wait(timeout=30)
+        after_exit = StartupLock(settings, "gpu-A", timeout_s=5)
+        assert after_exit.acquire() < 1 and after_exit.held
+        after_exit.release_later(0.2)  # in a process that lives on: released after the delay
+        waiting = StartupLock(settings, "gpu-A", timeout_s=5)
+        assert 0.1 <= waiting.acquire() < 5 and waiting.held
+        waiting.release()
+    finally:
+        child.kill()
+        child.wait()
+
+
 def signal_in_child(tmp_path, device: str = "cuda:0") -> None:
     code = (
         f"from kvcached_core import load_settings\nfrom kvcached_core.pressure import DevicePressure\n"

@@ -204,3 +204,36 @@ def test_the_warm_up_runs_on_mapped_blocks_and_gives_them_back(tmp_path, monkeyp
         planner.free(taken)
     finally:
         runtime.close_all()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_start_up_lock_outlives_a_failed_start_up(tmp_path, monkeypatch, fails):
+    """``startup_ends`` (around vLLM's ``Worker.compile_or_warm_up_model``) releases the GPU's start-up lock
+    when start-up ends well; when it fails, the lock stays held (until the process exits, or 60 s): the failed
+    engine's memory comes free only then, and a neighbour profiling meanwhile would see free memory grow.
+    A stand-in worker (vLLM's GPU worker needs a GPU); the lock is kvcached's own, on this host."""
+    from kvcached_core import load_settings
+    from kvcached_core.startup_lock import StartupLock
+    from kvcached_vllm.worker import startup_ends
+
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    lock = StartupLock(load_settings(), "gpu-A")
+    lock.acquire()
+    worker = SimpleNamespace(_kvcached_startup_lock=lock, device_config=SimpleNamespace(device_type="cpu"))
+
+    def compile_or_warm_up_model(worker):
+        if fails:
+            raise RuntimeError("warm-up failed")
+        return "warm"
+
+    if fails:
+        with pytest.raises(RuntimeError, match="warm-up failed"):
+            startup_ends(compile_or_warm_up_model, worker)
+    else:
+        assert startup_ends(compile_or_warm_up_model, worker) == "warm"
+    assert lock.held == fails
+    neighbour = StartupLock(load_settings(), "gpu-A", timeout_s=0.2)
+    neighbour.acquire()
+    assert neighbour.held != fails  # a neighbour's start-up goes on at once only after a good one
+    neighbour.release()
+    lock.release()

@@ -9,7 +9,9 @@ so two engines started at the same moment both come up, one after the other.
 
 The lock is an owner-only file in the runtime directory (``startup/<device key>``) held with ``flock``: the
 kernel releases it when its holder exits, even by SIGKILL, so a crashed start-up never blocks the next one.
-A holder that hangs is waited for at most ``timeout_s``, then start-up goes on with a warning.
+A start-up that fails keeps it until its process exits (:meth:`StartupLock.release_later`): the process
+still holds device memory while it goes, and the next engine must not profile while that comes free. A
+holder that hangs is waited for at most ``timeout_s``, then start-up goes on with a warning.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import fcntl
 import logging
 import os
 import re
+import threading
 import time
 
 from .config import Settings
@@ -71,3 +74,12 @@ class StartupLock:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    def release_later(self, delay_s: float = 60.0) -> None:
+        """Keep the lock until this process exits, or ``delay_s`` at most (a process that lives on after a
+        failed start-up, e.g. one that built an engine in-process, must not hold the next one up for long)."""
+        if self._fd is None:
+            return
+        timer = threading.Timer(delay_s, self.release)
+        timer.daemon = True  # the process's exit releases the lock first
+        timer.start()

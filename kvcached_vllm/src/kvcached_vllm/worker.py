@@ -226,7 +226,7 @@ def startup_begins(original: Callable[..., Any], worker: Any, *args: Any, **kwar
     try:
         return original(worker, *args, **kwargs)
     except BaseException:
-        lock.release()
+        lock.release_later()
         raise
 
 
@@ -243,16 +243,20 @@ def hold_activation_peak(worker: Any) -> int:
 def startup_ends(original: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``Worker.compile_or_warm_up_model`` (the last start-up step that moves device memory:
     CUDA graph capture): hold the engine's activation peak (:func:`hold_activation_peak`), then release
-    this GPU's start-up lock, however it ends."""
+    this GPU's start-up lock; if start-up failed, only once this process has exited (its memory comes free
+    then, and an engine profiling meanwhile would see free memory grow and stop), 60 s at most."""
+    lock = getattr(worker, "_kvcached_startup_lock", None)
     try:
         result = original(worker, *args, **kwargs)
         if worker.device_config.device_type == "cuda":
             hold_activation_peak(worker)
-        return result
-    finally:
-        lock = getattr(worker, "_kvcached_startup_lock", None)
+    except BaseException:
         if lock is not None:
-            lock.release()
+            lock.release_later()
+        raise
+    if lock is not None:
+        lock.release()
+    return result
 
 
 class WarmupBlocks:
