@@ -2,10 +2,11 @@
 
 Five engines run (at most two at a time): vLLM with KVCACHED_ENABLE=0 (the reference), vLLM with kvcached
 left out of VLLM_PLUGINS, and three elastic engines: one with prefix caching, one capped by ``kvctl limit``
-while it serves, and one alone among kvcached engines (its neighbour is the reference), which holds its
-memory through the idle time that follows. Greedy outputs are compared token for token. vLLM on this CPU
-gives the same tokens for this model whatever the batch composition (checked with max_num_seqs 1 and 8), so
-every run is compared with one reference, preemption included.
+while it serves (with ``KVCACHED_BLOCK_PLACEMENT=request``: each request on pages of its own, other
+requests' pages only under the cap), and one alone among kvcached engines (its neighbour is the
+reference), which holds its memory through the idle time that follows. Greedy outputs are compared token
+for token. vLLM on this CPU gives the same tokens for this model whatever the batch composition (checked
+with max_num_seqs 1 and 8), so every run is compared with one reference, preemption included.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ def runs(tiny_model) -> dict[str, dict]:
             # and the idle hold (tests/test_coordination.py) would keep its memory for 30 s.
             {"KVCACHED_PREFIX_CACHE_BYTES": "0", "KVCACHED_IDLE_HOLD_MS": "0"},
         ),
-        "elastic-capped": ((*BATCH, "--max-num-seqs", "24", "--limit", "16M", "--name", "tiny-capped"), {}),
+        "elastic-capped": (
+            (*BATCH, "--max-num-seqs", "24", "--limit", "16M", "--name", "tiny-capped"),
+            {"KVCACHED_BLOCK_PLACEMENT": "request"},
+        ),
         # The default idle hold: no other kvcached engine runs beside it (vanilla has no pool).
         "elastic-held": ((*BATCH, "--max-num-seqs", "24", "--watch-idle", "4", "--name", "tiny-held"), {}),
     }
@@ -94,6 +98,7 @@ def test_kvctl_limit_caps_a_running_engine(runs):
     assert run["limit_rc"] == 0
     assert max(s["mapped"] for s in run["samples"]) <= 16 * MiB
     assert run["num_preemptions"] and run["num_preemptions"] > 0, "the cap never forced a preemption"
+    assert "KVCACHED_BLOCK_PLACEMENT=request: each request on pages of its own (32 blocks a page)" in run["log"]
 
 
 def test_engine_shutdown_leaves_nothing_behind(runs):

@@ -82,6 +82,11 @@ class ElasticBlockPool(BlockPool):
                 "layer) fits it",
                 self._blocks_per_page,
             )
+        elif self.places_by_request:
+            logger.info(
+                "kvcached: KVCACHED_BLOCK_PLACEMENT=request: each request on pages of its own (%d blocks a page)",
+                self._blocks_per_page,
+            )
         self._available = self._manager.available_size if self._manager is not None else None
         if self._manager is not None:
             self._manager.gates_admissions = True  # allocate_slots holds new requests to fair share's cap
