@@ -106,6 +106,10 @@ def test_a_failed_start_up_holds_the_lock_until_its_process_exits_or_the_delay_e
         child.wait(timeout=30)
         after_exit = StartupLock(settings, "gpu-A", timeout_s=5)
         assert after_exit.acquire() < 1 and after_exit.held
+        after_exit.release_later(0.2)
+        after_exit.acquire()  # a new start-up in the same process holds on past the delay
+        time.sleep(0.4)
+        assert after_exit.held
         after_exit.release_later(0.2)  # in a process that lives on: released after the delay
         waiting = StartupLock(settings, "gpu-A", timeout_s=5)
         assert 0.1 <= waiting.acquire() < 5 and waiting.held

@@ -36,6 +36,8 @@ class StartupLock:
         self.path = os.path.join(runtime_subdir(settings, "startup"), re.sub(r"[^A-Za-z0-9_.-]", "_", device_key)[:200])
         self.timeout_s = timeout_s
         self._fd: int | None = None
+        self._releasing = threading.Lock()  # release() may run on release_later's timer thread too
+        self._timer: threading.Timer | None = None
 
     @property
     def held(self) -> bool:
@@ -44,6 +46,9 @@ class StartupLock:
     def acquire(self) -> float:
         """Take the lock, waiting for another start-up on the device to finish; returns seconds waited."""
         if self._fd is not None:
+            if self._timer is not None:  # a new start-up in this process after a failed one: it holds on
+                self._timer.cancel()
+                self._timer = None
             return 0.0
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         started = time.monotonic()
@@ -70,7 +75,8 @@ class StartupLock:
 
     def release(self) -> None:
         """Let the next start-up on the device go on (idempotent)."""
-        fd, self._fd = self._fd, None
+        with self._releasing:
+            fd, self._fd = self._fd, None
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -80,6 +86,6 @@ class StartupLock:
         failed start-up, e.g. one that built an engine in-process, must not hold the next one up for long)."""
         if self._fd is None:
             return
-        timer = threading.Timer(delay_s, self.release)
-        timer.daemon = True  # the process's exit releases the lock first
-        timer.start()
+        self._timer = threading.Timer(delay_s, self.release)
+        self._timer.daemon = True  # the process's exit releases the lock first
+        self._timer.start()
