@@ -74,15 +74,15 @@ class ElasticBlockPool(BlockPool):
         # With KVCACHED_BLOCK_PLACEMENT=request, the allocate-slots unit sets ``near`` to the last block of
         # the request it allocates for (-1: none), so the request grows on its own page.
         self.near = -1
-        self.places_by_request = self._manager is not None and self._manager.places_by_request
-        if self.places_by_request and self._blocks_per_page > _REQUEST_PAGE_BLOCKS:
+        places_by_request = self._manager is not None and self._manager.places_by_request
+        if places_by_request and self._blocks_per_page > _REQUEST_PAGE_BLOCKS:
             logger.warning(
                 "kvcached: KVCACHED_BLOCK_PLACEMENT=request with %d blocks per page: a request's page is mostly "
                 "unused while it is short; KVCACHED_KV_LAYOUT=block-outer (pages of whole blocks of every "
                 "layer) fits it",
                 self._blocks_per_page,
             )
-        elif self.places_by_request:
+        elif places_by_request:
             logger.info(
                 "kvcached: KVCACHED_BLOCK_PLACEMENT=request: each request on pages of its own (%d blocks a page)",
                 self._blocks_per_page,
@@ -129,12 +129,11 @@ class ElasticBlockPool(BlockPool):
         ValueError, as vLLM's own pool raises, beyond what was last counted."""
         if self._manager is None:
             return super().get_new_blocks(num_blocks)
-        near, manager = self.near, self._manager
-        alloc = manager.alloc if near < 0 else lambda n: manager.alloc_near(n, near)
-        ids = alloc(num_blocks)
+        near, manager = self.near, self._manager  # near -1: a plain alloc
+        ids = manager.alloc_near(num_blocks, near)
         while ids is None and self._cached_free:
             self._evict(max(1, num_blocks - manager.available_size()))
-            ids = alloc(num_blocks)
+            ids = manager.alloc_near(num_blocks, near)
         # Blocks within the scheduler's last count are served even if a limit or another process took the
         # memory since; beyond it vLLM's own pool fails the same way.
         ids = self._count.honour(num_blocks, ids, on_short=self._report_shortfall)

@@ -220,7 +220,7 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             # The request first: a running one passes without reading the allocator's state.
             if request.num_computed_tokens == 0 and not pool._manager.admits_new_requests():
                 return None  # its own cap, not the device: no shortfall to report
-        if pool.places_by_request:
+        if pool._manager.places_by_request:
             own = manager.coordinator.get_blocks(request.request_id)[0]
             pool.near = own[-1].block_id if own else -1
         pool.checking = True
