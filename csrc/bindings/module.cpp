@@ -419,6 +419,8 @@ PYBIND11_MODULE(_native, m) {
       .def("_export_all", [](const BlockAllocator& a) { return export_all(viewable(a)); })
       .def("_publish_page_table", &BlockAllocator::publish_page_table, py::arg("path"), py::arg("num_layers"),
            py::arg("num_kv_buffers"))
+      .def("page_of", &BlockAllocator::page_of_block, py::arg("block"),
+           "The page `block` lies on; -1 for a block that straddles two pages, which is never handed out.")
       .def_property_readonly("page_bytes", &BlockAllocator::page_bytes)
       .def_property_readonly("buffer_stride", &BlockAllocator::buffer_stride)
       .def_property_readonly("_backend_name", [](const BlockAllocator& a) { return a.backend().name(); })

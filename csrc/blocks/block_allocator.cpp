@@ -171,6 +171,13 @@ void BlockAllocator::list_remove(std::int32_t page) {
 
 // ---- limit ------------------------------------------------------------------------------------------
 
+std::int32_t BlockAllocator::page_of_block(std::int64_t block) const {
+  if (block < 0 || block >= config_.num_blocks)
+    throw InvalidArgument("block " + std::to_string(block) + " is not in [0, " + std::to_string(config_.num_blocks) +
+                          ")");
+  return page_of(static_cast<std::int32_t>(block));
+}
+
 std::int64_t BlockAllocator::allowed_pages() const noexcept {
   const std::uint64_t limit =
       std::min(limit_bytes_.load(std::memory_order_relaxed), yield_bytes_.load(std::memory_order_relaxed));

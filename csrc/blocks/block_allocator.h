@@ -137,6 +137,9 @@ class BlockAllocator {
   // Geometry, for tensor views.
   const AllocatorConfig& config() const noexcept { return config_; }
   std::size_t page_bytes() const noexcept { return page_bytes_; }
+  // The page `block` lies on, -1 for a block that straddles two pages (never handed out). InvalidArgument
+  // outside [0, num_blocks).
+  std::int32_t page_of_block(std::int64_t block) const;
   std::size_t buffer_stride() const noexcept { return region_->buffer_stride(); }
   const PagedRegion& region() const noexcept { return *region_; }
   MemoryBackend& backend() const noexcept { return *backend_; }

@@ -286,10 +286,14 @@ class WarmupBlocks:
         top = max(self.block_ids(scheduler_output), default=0)
         if top <= self.covered:
             return
-        size, page = self.memory.block_bytes, self.memory.page_bytes
-        last = min(((top + 1) * size - 1) // page * page + page, self.memory.num_blocks * size) // size - 1
+        page_of, num_blocks = self.memory.page_of, self.memory.num_blocks
+        # The page `top` ends on (a block straddling two pages ends on the next one), to its last block.
+        page = page_of(top) if page_of(top) >= 0 or top + 1 == num_blocks else page_of(top + 1)
+        last = top
+        while page >= 0 and last + 1 < num_blocks and page_of(last + 1) == page:
+            last += 1
         # The blocks kvcached hands out there: those within one page.
-        wanted = [b for b in range(self.covered + 1, last + 1) if b * size // page == ((b + 1) * size - 1) // page]
+        wanted = [b for b in range(self.covered + 1, last + 1) if page_of(b) >= 0]
         # Beside the last one held (at first the null block, 0): with KVCACHED_BLOCK_PLACEMENT=request a plain
         # alloc would start on a new page.
         got = self.memory.alloc_near(len(wanted), self.held[-1] if self.held else 0) if wanted else []
