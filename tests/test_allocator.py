@@ -262,12 +262,18 @@ def test_trim_can_keep_the_lowest_empty_pages_and_keeps_those_under_a_fair_share
     assert again is not None and mgr.snapshot()["mapped_bytes"] == 3 * LOGICAL_PAGE
     mgr.free(again)
     mgr.admit_cap = 2 * LOGICAL_PAGE  # room for one empty page beside the one in use
+    assert mgr.has_idle_pages() and mgr.pages_over_cap() == 0
     assert mgr.trim_to_cap() == LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == 2 * LOGICAL_PAGE
+    assert not mgr.has_idle_pages()  # the empty page left is under the cap: nothing trim_to_cap gives back
     assert mgr.admits_new_requests()
+    more = mgr.alloc(2 * BLOCKS_PER_PAGE)  # three pages in use, one above the cap
+    assert more is not None and mgr.pages_over_cap() == 1
+    mgr.free(more)
     mgr.admit_cap -= 1
     assert not mgr.admits_new_requests()
     mgr.admit_cap = None
-    assert mgr.trim_to_cap() == LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == LOGICAL_PAGE
+    assert mgr.pages_over_cap() is None and mgr.has_idle_pages()
+    assert mgr.trim_to_cap() == 2 * LOGICAL_PAGE and mgr.snapshot()["mapped_bytes"] == LOGICAL_PAGE
 
 
 def test_memory_limit_bounds_mapping_and_available_size(make_manager):

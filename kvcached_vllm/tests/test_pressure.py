@@ -72,17 +72,41 @@ def test_a_neighbours_shortfall_wakes_the_engine_and_gives_back_down_to_the_floo
     assert request == (EngineCoreRequestType.WAKEUP, None)
     assert pool.cached_free_blocks == 95, "nothing is given back off the scheduler's thread"
     scheduler_turn(lambda e, *a: handled.append(a), engine, *request)  # the loop handles the wake-up
-    # Whole pages, least recently freed first, while the floor holds: pages 0 (31 blocks; the null block
-    # stays) and 1 (32) go back, page 2 (the most recently freed) stays at the floor of 32.
-    assert pool.cached_free_blocks == 32 and watch.given_back == 63
-    assert {b // 32 for b in pool._cached_free} == {2}
+    # Whole pages, least recently freed first, while the floor holds: page 1 (32 blocks) goes back, page 2
+    # (the most recently freed) would take the cache below the floor of 32, and page 0 holds the null block,
+    # so evicting its 31 cached blocks would free no memory.
+    assert pool.cached_free_blocks == 63 and watch.given_back == 32
+    assert {b // 32 for b in pool._cached_free} == {0, 2}
     snap = planner.snapshot()
-    assert snap["allocated_blocks"] == 32
+    assert snap["allocated_blocks"] == 63
     assert snap["mapped_pages"] == snap["used_pages"] == 2, "pages kept for recent demand were not unmapped"
     signal_from_another_process()  # at the floor: nothing more to give, the engine is left alone
     with pytest.raises(queue.Empty):
         engine.input_queue.get(timeout=0.2)
     assert len(handled) == 2
+
+
+def test_under_fair_shares_cap_cached_blocks_go_back_only_from_pages_above_it(cached_pool):
+    """While fair share caps an engine, the empty pages under its cap stay mapped (``trim_to_cap``): cached
+    prefix blocks freed there would give the short neighbour nothing and only lose the cache (on an H100, an
+    engine yielding to its share logged 114 such give-backs of 0 MiB). So only pages above the cap go."""
+    pool, planner, runtime = cached_pool
+    watch = runtime.pressure_watch()
+    row = planner.page_bytes * planner.num_buffers
+    planner.admit_cap = 3 * row  # all three pages of cached blocks lie under the cap
+    assert planner.pages_over_cap() == 0 and not watch._has_spare()
+    watch.core.pending.set()  # as the watcher does on a neighbour's shortfall
+    watch.run_pending()
+    assert pool.cached_free_blocks == 95 and watch.given_back == 0
+    planner.admit_cap = 2 * row  # one page above the cap: that one goes, the least recently freed (1)
+    assert planner.pages_over_cap() == 1 and watch._has_spare()
+    watch.core.pending.set()
+    watch.run_pending()
+    assert watch.given_back == 32 and {b // 32 for b in pool._cached_free} == {0, 2}
+    snap = planner.snapshot()  # page 1 went back; page 0 keeps the null block, page 2 stays under the cap
+    assert snap["mapped_pages"] == snap["used_pages"] == 2
+    planner.admit_cap = None
+    assert planner.pages_over_cap() is None
 
 
 def test_own_shortfall_is_not_news_and_limit_bound_shortfall_is_not_signalled(cached_pool):

@@ -275,23 +275,34 @@ class KVCacheManager(_native.BlockAllocator, KVTensorViews):
             time.sleep(0.005)
         return ids
 
+    def _cap_pages(self) -> int | None:
+        """Fair share's cap (:attr:`admit_cap`) in pages, None while no cap is set."""
+        cap = self.admit_cap
+        return None if cap is None else cap // (self.page_bytes * self.num_buffers)
+
     def has_idle_pages(self) -> bool:
         """Whether pages that hold no allocated block are mapped (kept for the recent demand, for up to two
         demand windows: ``KVCACHED_RECLAIM_DELAY_MS``, or ``KVCACHED_IDLE_HOLD_MS`` while no other engine shares
-        the device): memory :meth:`trim` would give back now."""
-        snap = self.snapshot()
-        return snap["mapped_pages"] > snap["used_pages"]
+        the device) beyond those :meth:`trim_to_cap` keeps: memory it would give back now."""
+        snap = self._snapshot()
+        return snap["mapped_pages"] > max(snap["used_pages"], self._cap_pages() or 0)
 
     def trim_to_cap(self) -> int:
         """:meth:`trim`, except that while fair share caps this pool (:attr:`admit_cap`) the empty pages under
         the cap stay mapped: they are this engine's own share, which it refills as it admits again. Given
         back, a neighbour took them and then had to yield them back within seconds, preempting (an H100 with
         two engines). Returns the bytes unmapped."""
-        cap = self.admit_cap
-        if cap is None:
+        cap_pages = self._cap_pages()
+        if cap_pages is None:
             return self.trim()
-        used = self._snapshot()["used_pages"]
-        return self.trim(max(0, cap // (self.page_bytes * self.num_buffers) - used))
+        return self.trim(max(0, cap_pages - self._snapshot()["used_pages"]))
+
+    def pages_over_cap(self) -> int | None:
+        """Pages in use above fair share's cap (None while no cap is set). While capped, :meth:`trim_to_cap`
+        keeps the empty pages under the cap mapped, so freeing cached blocks (a plugin's prefix cache) gives a
+        neighbour memory from at most this many pages; freeing more only loses the cache."""
+        cap_pages = self._cap_pages()
+        return None if cap_pages is None else max(0, self._snapshot()["used_pages"] - cap_pages)
 
     def admits_new_requests(self) -> bool:
         """Whether a new request may take blocks now: fair share has set no admission cap

@@ -67,7 +67,7 @@ class CachePolicy:
     def _has_spare(self) -> bool:
         """Watcher thread: whether this engine keeps cache or empty pages it could give back (racy reads of
         sizes are fine: the give-back itself runs on the scheduler's thread)."""
-        if self._evictable_tokens() > self.floor_tokens:
+        if self._evictable_tokens() > self.floor_tokens and self.kv.pages_over_cap() != 0:
             return True
         return any(m.has_idle_pages() for m in self.managers)
 
@@ -105,8 +105,10 @@ class CachePolicy:
         if not self.watch.take_pending():
             self._evict_down_to(self.budget_tokens)
             return
-        evicted = self._evict_down_to(self.floor_tokens)
-        unmapped = self.release()
+        # Under fair share's cap the pages the cache frees stay this engine's (trim_to_cap): evicting then
+        # would only lose the cache.
+        evicted = self._evict_down_to(self.floor_tokens) if self.kv.pages_over_cap() != 0 else 0
+        unmapped = sum(m.trim_to_cap() for m in self.managers)
         self.given_back += evicted
         if evicted or unmapped:
             logger.info(

@@ -62,6 +62,7 @@ class ElasticBlockPool(BlockPool):
         if self._manager is not None:
             self._blocks_per_page = max(1, self._manager.page_bytes // self._manager.block_bytes)
         self._busy = [0] * (num_gpu_blocks // self._blocks_per_page + 1)
+        self._busy[0] = 1  # vLLM's null block, reserved in kvcached for good: page 0 never comes free
         self._cached_by_page: dict[int, dict[int, None]] = {}
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
         self._in_use = 0  # blocks requests hold (ref_cnt > 0)
@@ -241,21 +242,32 @@ class ElasticBlockPool(BlockPool):
 
     def shrink_prefix_cache(self, floor_blocks: int) -> int:
         """Give back whole pages of cached-free blocks (pages no request uses, least recently freed first)
-        while at least ``floor_blocks`` cached-free blocks remain; returns how many blocks went back. Only
-        whole pages free memory, so no page is split. Call on the scheduler's thread: it reads the cache."""
+        while at least ``floor_blocks`` cached-free blocks remain, and no more pages than unmap (under fair
+        share's cap, pages stay mapped: :meth:`kvcached_core.KVCacheManager.pages_over_cap`); returns how many
+        blocks went back. Only whole pages free memory, so no page is split. Call on the scheduler's thread:
+        it reads the cache."""
         if self._manager is None:
             return 0
         victims: list[int] = []
-        for page in list(self._idle_pages):
+        for page in list(self._idle_pages)[: self._manager.pages_over_cap()]:
             if len(self._cached_free) - len(self._cached_by_page[page]) < floor_blocks:
                 break
             victims += self._take_page(page)
         self._drop(victims)
         return len(victims)
 
+    def gives_prefix_back(self, floor_blocks: int) -> bool:
+        """Whether :meth:`shrink_prefix_cache` would free memory now: an idle page it may take without going
+        below the floor, and not held under fair share's cap. Read from the watcher thread: racy, as a hint
+        may be (one C-level ``next`` on the dict, one ``get``)."""
+        if self._manager is None or self._manager.pages_over_cap() == 0:
+            return False
+        page = next(iter(self._idle_pages), None)  # the first page shrink_prefix_cache would take
+        return page is not None and len(self._cached_free) - len(self._cached_by_page.get(page, ())) >= floor_blocks
+
     def has_idle_pages(self) -> bool:
         """Whether pages that hold no allocated block are mapped (kvcached keeps the engine's recent demand
-        mapped for up to two ``KVCACHED_RECLAIM_DELAY_MS`` windows)."""
+        mapped for up to two ``KVCACHED_RECLAIM_DELAY_MS`` windows) beyond those kept under fair share's cap."""
         return self._manager is not None and self._manager.has_idle_pages()
 
     def trim(self) -> int:

@@ -118,7 +118,7 @@ class PressureWatch:
         return self.core.pending
 
     def _has_spare(self) -> bool:
-        return any(p.cached_free_blocks > self._floor_blocks(p) or p.has_idle_pages() for p in self.pools)
+        return any(p.gives_prefix_back(self._floor_blocks(p)) or p.has_idle_pages() for p in self.pools)
 
     def _floor_blocks(self, pool: Any) -> int:
         return prefix_cache_blocks(pool.num_gpu_blocks, self.floor_bytes)
