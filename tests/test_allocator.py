@@ -111,8 +111,9 @@ def test_blocks_that_straddle_pages_are_never_handed_out(make_manager):
     straddling = [b for b in range(512) if (b * block) // page != ((b + 1) * block - 1) // page]
     assert straddling and not set(straddling) & set(ids)
     assert mgr.snapshot()["total_blocks"] == 512 - len(straddling)
-    # page_of says the same: the page a block lies on, -1 where it straddles two.
-    assert [mgr.page_of(b) for b in range(512)] == [-1 if b in straddling else (b * block) // page for b in range(512)]
+    # page_of and block_pages say the same: the page a block lies on, -1 where it straddles two.
+    pages = [-1 if b in straddling else (b * block) // page for b in range(512)]
+    assert [mgr.page_of(b) for b in range(512)] == pages == mgr.block_pages()
     with pytest.raises(ValueError, match=r"block 512 is not in \[0, 512\)"):
         mgr.page_of(512)
 

@@ -421,6 +421,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("num_kv_buffers"))
       .def("page_of", &BlockAllocator::page_of_block, py::arg("block"),
            "The page `block` lies on; -1 for a block that straddles two pages, which is never handed out.")
+      .def(
+          "block_pages", [](const BlockAllocator& a) { return py::cast(a.block_pages()); },
+          "page_of() of every block, as a list indexed by block id (one call: a plugin's page bookkeeping).")
       .def_property_readonly("page_bytes", &BlockAllocator::page_bytes)
       .def_property_readonly("buffer_stride", &BlockAllocator::buffer_stride)
       .def_property_readonly("_backend_name", [](const BlockAllocator& a) { return a.backend().name(); })

@@ -140,6 +140,7 @@ class BlockAllocator {
   // The page `block` lies on, -1 for a block that straddles two pages (never handed out). InvalidArgument
   // outside [0, num_blocks).
   std::int32_t page_of_block(std::int64_t block) const;
+  const std::vector<std::int32_t>& block_pages() const noexcept { return block_page_; }
   std::size_t buffer_stride() const noexcept { return region_->buffer_stride(); }
   const PagedRegion& region() const noexcept { return *region_; }
   MemoryBackend& backend() const noexcept { return *backend_; }

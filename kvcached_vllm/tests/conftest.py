@@ -78,9 +78,10 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> dict:
 BLOCKS_PER_PAGE = 32  # the elastic pools below: 4 buffers of 64 KiB blocks, 2 MiB pages
 
 
-def elastic_pool(name: str, num_blocks: int = 321, enable_caching: bool = True):
+def elastic_pool(name: str, num_blocks: int = 321, enable_caching: bool = True, block_bytes: int = 64 << 10):
     """vLLM's own ``BlockPool`` as the plugin replaces it, over a real planner (host backend) of 4 buffers of
-    64 KiB blocks; returns (pool, planner). Close with ``kvcached_vllm.runtime.close_all()``."""
+    ``block_bytes`` blocks (64 KiB: 32 in a 2 MiB page); returns (pool, planner). Close with
+    ``kvcached_vllm.runtime.close_all()``."""
     from vllm.v1.core import kv_cache_coordinator
 
     from kvcached_core import KVCacheManager
@@ -88,7 +89,7 @@ def elastic_pool(name: str, num_blocks: int = 321, enable_caching: bool = True):
 
     planner = KVCacheManager(
         num_blocks=num_blocks,
-        block_bytes=64 << 10,
+        block_bytes=block_bytes,
         num_layers=4,
         num_kv_buffers=1,
         reserve_null_block=True,

@@ -109,6 +109,36 @@ def test_under_fair_shares_cap_cached_blocks_go_back_only_from_pages_above_it(ca
     assert planner.pages_over_cap() is None
 
 
+def test_cached_blocks_go_back_by_the_pages_they_really_lie_on(tmp_path, monkeypatch):
+    """Blocks that do not divide a page (24 KiB in 2 MiB: 85 and a third) straddle some pages, and kvcached
+    never hands those out, so a block's page is not its id // 85: block 255 ends page 2. The pool asks
+    kvcached (``page_of``); giving back the least recently freed page then frees that page (by id // 85 it
+    kept block 255, and no memory came back)."""
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path))
+    from conftest import elastic_pool, mark_cached
+    from vllm.plugins import load_general_plugins
+
+    from kvcached_vllm import runtime
+
+    load_general_plugins()
+    runtime.close_all()
+    pool, planner = elastic_pool("straddled", num_blocks=341, block_bytes=24 << 10)
+    try:
+        assert planner.page_bytes == 2 << 20 and planner.page_of(255) == 2 and planner.page_of(170) == -1
+        blocks = pool.get_new_blocks(planner.available_size())  # pages 0-3, every block kvcached hands out
+        mark_cached(pool, blocks)
+        page2 = [b for b in blocks if planner.page_of(b.block_id) == 2]
+        assert [b.block_id for b in page2] == list(range(171, 256))
+        pool.free_blocks(page2)  # page 2 first: the least recently freed
+        pool.free_blocks([b for b in blocks if b not in page2])
+        before = planner.snapshot()["used_pages"]
+        given = pool.shrink_prefix_cache(floor_blocks=pool.cached_free_blocks - len(page2))
+        assert given == 85 and not {b.block_id for b in page2} & set(pool._cached_free)
+        assert planner.snapshot()["used_pages"] == before - 1
+    finally:
+        runtime.close_all()
+
+
 def test_own_shortfall_is_not_news_and_limit_bound_shortfall_is_not_signalled(cached_pool):
     pool, planner, runtime = cached_pool
     watch = runtime.pressure_watch()

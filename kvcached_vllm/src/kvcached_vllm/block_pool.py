@@ -57,11 +57,15 @@ class ElasticBlockPool(BlockPool):
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._prefix_budget = runtime.prefix_cache_blocks(num_gpu_blocks)
         # Page-aware eviction: blocks in use per physical page, cached-free blocks per page, and the pages
-        # whose every held block is cached-free (evicting those gives whole pages back), oldest first.
+        # whose every held block is cached-free (evicting those gives whole pages back), oldest first. The
+        # page of each block is kvcached's own (blocks that do not divide a page straddle some, and those are
+        # never handed out: block id // blocks per page drifts from the real page after the first).
         self._blocks_per_page = 1
+        self._page_of: list[int] = []
         if self._manager is not None:
             self._blocks_per_page = max(1, self._manager.page_bytes // self._manager.block_bytes)
-        self._busy = [0] * (num_gpu_blocks // self._blocks_per_page + 1)
+            self._page_of = self._manager.block_pages()
+        self._busy = [0] * (max(self._page_of, default=0) + 1)
         self._busy[0] = 1  # vLLM's null block, reserved in kvcached for good: page 0 never comes free
         self._cached_by_page: dict[int, dict[int, None]] = {}
         self._idle_pages: OrderedDict[int, None] = OrderedDict()
@@ -143,13 +147,13 @@ class ElasticBlockPool(BlockPool):
         blocks = [self.blocks[i] for i in ids]
         self._notify_handed_out(blocks)
         # One pass, bookkeeping inlined: this runs for every block the scheduler takes.
-        held, busy, idle_pages, per_page = self._held, self._busy, self._idle_pages, self._blocks_per_page
+        held, busy, idle_pages, page_of = self._held, self._busy, self._idle_pages, self._page_of
         remove = self.free_block_queue.remove
         caching, collector = self.enable_caching, self.metrics_collector
         for block in blocks:
             block_id = block.block_id
             held[block_id] = 1
-            page = block_id // per_page
+            page = page_of[block_id]
             busy[page] += 1
             if busy[page] == 1 and idle_pages:  # a block of the page is in use again: the page is not idle
                 idle_pages.pop(page, None)
@@ -193,7 +197,7 @@ class ElasticBlockPool(BlockPool):
         are the first to be evicted."""
         released, cached_now = [], []
         freed = 0
-        held, busy, idle_pages, per_page = self._held, self._busy, self._idle_pages, self._blocks_per_page
+        held, busy, idle_pages, page_of = self._held, self._busy, self._idle_pages, self._page_of
         cached_free, cached_by_page = self._cached_free, self._cached_by_page
         caching, check_owner, owner = self.enable_caching, self._blocks_know_their_pool, self._owner
         for block in ordered_blocks:
@@ -201,7 +205,7 @@ class ElasticBlockPool(BlockPool):
             # Another pool's, still referenced, or never held (the null block): not ours to give back.
             if (check_owner and block.pool is not owner) or block.ref_cnt or not held[block_id]:
                 continue
-            page = block_id // per_page
+            page = page_of[block_id]
             busy[page] -= 1
             freed += 1
             if caching and block.block_hash is not None:
@@ -285,7 +289,7 @@ class ElasticBlockPool(BlockPool):
             self._notify_reuse(blocks)
 
     def _page(self, block_id: int) -> int:
-        return block_id // self._blocks_per_page
+        return self._page_of[block_id]
 
     def _mark_busy(self, block_id: int, delta: int) -> None:
         page = self._page(block_id)
