@@ -169,14 +169,14 @@ void BlockAllocator::list_remove(std::int32_t page) {
   p.list_pos = -1;
 }
 
-// ---- limit ------------------------------------------------------------------------------------------
-
 std::int32_t BlockAllocator::page_of_block(std::int64_t block) const {
   if (block < 0 || block >= config_.num_blocks)
     throw InvalidArgument("block " + std::to_string(block) + " is not in [0, " + std::to_string(config_.num_blocks) +
                           ")");
   return page_of(static_cast<std::int32_t>(block));
 }
+
+// ---- limit ------------------------------------------------------------------------------------------
 
 std::int64_t BlockAllocator::allowed_pages() const noexcept {
   const std::uint64_t limit =

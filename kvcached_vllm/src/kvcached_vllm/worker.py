@@ -288,7 +288,9 @@ class WarmupBlocks:
             return
         page_of, num_blocks = self.memory.page_of, self.memory.num_blocks
         # The page `top` ends on (a block straddling two pages ends on the next one), to its last block.
-        page = page_of(top) if page_of(top) >= 0 or top + 1 == num_blocks else page_of(top + 1)
+        page = page_of(top)
+        if page < 0 and top + 1 < num_blocks:
+            page = page_of(top + 1)
         last = top
         while page >= 0 and last + 1 < num_blocks and page_of(last + 1) == page:
             last += 1
