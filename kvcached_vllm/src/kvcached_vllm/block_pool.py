@@ -76,9 +76,10 @@ class ElasticBlockPool(BlockPool):
         # plans to take right after its next free-block check.
         self.checking = False
         self.planned = 0
-        # With KVCACHED_BLOCK_PLACEMENT=request, the allocate-slots unit sets ``near`` to the last block of
-        # the request it allocates for (-1: none), so the request grows on its own page.
-        self.near = -1
+        # With KVCACHED_BLOCK_PLACEMENT=request, the allocate-slots unit sets ``requester`` to vLLM's
+        # coordinator and the id of the request it allocates for; new blocks then go beside that request's
+        # last one (read only when blocks are taken: most decode steps take none).
+        self.requester: tuple[Any, str] | None = None
         places_by_request = self._manager is not None and self._manager.places_by_request
         if places_by_request and self._blocks_per_page > _REQUEST_PAGE_BLOCKS:
             logger.warning(
@@ -134,7 +135,11 @@ class ElasticBlockPool(BlockPool):
         ValueError, as vLLM's own pool raises, beyond what was last counted."""
         if self._manager is None:
             return super().get_new_blocks(num_blocks)
-        near, manager = self.near, self._manager  # near -1: a plain alloc
+        near, manager = -1, self._manager  # near -1: a plain alloc
+        if self.requester is not None:
+            coordinator, request_id = self.requester
+            own = coordinator.get_blocks(request_id)[0]
+            near = own[-1].block_id if own else -1
         ids = manager.alloc_near(num_blocks, near)
         while ids is None and self._cached_free:
             self._evict(max(1, num_blocks - manager.available_size()))

@@ -209,7 +209,7 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     the scheduler cannot get blocks because the device is full, tell the other engines on it (they give
     back cached prefix blocks). While fair share caps admissions (``admit_cap``), a request with nothing
     computed yet (a new or a preempted one) is refused as when blocks run out: it waits in vLLM's queue. With
-    ``KVCACHED_BLOCK_PLACEMENT=request`` the pool learns the request's last block (``near``)."""
+    ``KVCACHED_BLOCK_PLACEMENT=request`` the pool learns which request it allocates for (``requester``)."""
 
     def allocate_slots(manager: Any, *args: Any, **kwargs: Any) -> Any:
         pool = manager.block_pool
@@ -221,15 +221,14 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             if request.num_computed_tokens == 0 and not pool._manager.admits_new_requests():
                 return None  # its own cap, not the device: no shortfall to report
         if pool._manager.places_by_request:
-            own = manager.coordinator.get_blocks(request.request_id)[0]
-            pool.near = own[-1].block_id if own else -1
+            pool.requester = (manager.coordinator, request.request_id)
         pool.checking = True
         try:
             blocks = original(manager, *args, **kwargs)
         finally:
             pool.checking = False
             pool.planned = 0
-            pool.near = -1
+            pool.requester = None
         if blocks is None:
             watch = runtime.pressure_watch()
             if watch is not None:
