@@ -157,6 +157,19 @@ def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_r
     with pytest.raises(SystemExit, match="different traffic \\(burst_rate 40.0 vs 27.0\\)"):
         multimodel.compare(args)
 
+    # Runs that say where they ran: two hosts of one GPU model compare (and say so); two GPU models do not.
+    elastic["traffic"]["burst_rate"] = 40.0
+    static = json.loads((tmp_path / "static_x2.json").read_text())
+    static["machine"] = {"host": "a", "gpu": "NVIDIA H100 80GB HBM3"}
+    elastic["machine"] = {"host": "b", "gpu": "NVIDIA H100 80GB HBM3"}
+    for config, run in (("static", static), ("elastic", elastic)):
+        (tmp_path / f"{config}_x2.json").write_text(json.dumps(run))
+    assert multimodel.compare(args)["machines"]["elastic"]["host"] == "b"
+    elastic["machine"]["gpu"] = "NVIDIA H200"
+    (tmp_path / "elastic_x2.json").write_text(json.dumps(elastic))
+    with pytest.raises(SystemExit, match="static run .* ran on NVIDIA H100 80GB HBM3, the elastic one on NVIDIA H200"):
+        multimodel.compare(args)
+
 
 # A server's two processes, as ``serve`` tells them apart: the front end burns ~0.6 s of CPU, its child (named
 # like vLLM's EngineCore in its command line, which the front end's own must not hold) ~1.2 s; both then wait
@@ -351,6 +364,19 @@ def test_gpu_clocks_summarises_what_nvidia_smi_printed(tmp_path, monkeypatch):
     assert seen["samples"] == 3 and seen["sm_mhz_p50"] == 1980 and seen["sm_mhz_min"] == 1755
     assert seen["power_w_p50"] == 690.0 and seen["temperature_c_max"] == 49
     assert seen["clock_events"] == ["0x0000000000000000", "0x0000000000000004"]
+
+
+def test_a_run_records_the_gpu_nvidia_smi_names_and_the_host(tmp_path, monkeypatch):
+    """``gpu_machine`` asks ``nvidia-smi`` (a script here) for the first visible GPU; without it, the host and
+    the time alone."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert set(suite.gpu_machine()) == {"host", "started_utc"}
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04'\n")
+    fake.chmod(0o700)
+    machine = suite.gpu_machine()
+    assert machine["gpu"] == "NVIDIA H100 80GB HBM3" and machine["gpu_memory"] == "81559 MiB"
+    assert machine["driver"] == "580.159.04" and machine["host"]
 
 
 def load_sglang_suite(monkeypatch):

@@ -190,6 +190,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     plans = [schedule(i, count, args) for i in range(count)]
     result: dict = {
         "config": config,
+        "machine": harness.gpu_machine(),
         "models": [s.name for s in shapes],
         "gpu_memory_utilization": float(util),
         "traffic": {
@@ -268,8 +269,18 @@ def compare(args: argparse.Namespace) -> dict:
             f"run.py compare: the static and elastic runs in {args.out} replayed different traffic ({differ}); "
             "run both with the same options"
         )
+    machines = {c: runs[c].get("machine", {}) for c in runs}  # runs recorded before it was kept have none
+    gpus = {c: machines[c].get("gpu") for c in runs}
+    if None not in gpus.values() and gpus["static"] != gpus["elastic"]:
+        raise SystemExit(
+            f"run.py compare: the static run in {args.out} ran on {gpus['static']}, the elastic one on "
+            f"{gpus['elastic']}; run both on the same kind of GPU"
+        )
+    hosts = {c: machines[c].get("host") for c in runs}
+    if None not in hosts.values() and hosts["static"] != hosts["elastic"]:
+        harness.log(f"compare: static ran on {hosts['static']}, elastic on {hosts['elastic']}: two machines")
     models = runs["static"]["models"]
-    summary: dict = {"models": models, "slo_s": args.slo_s, "per_model": {}}
+    summary: dict = {"models": models, "slo_s": args.slo_s, "machines": machines, "per_model": {}}
     for i, name in enumerate(models):
         row = {c: model_stats(runs[c].get("requests", []), i, args.slo_s, runs[c]["traffic"]["duration"]) for c in runs}
         row["elastic_over_static"] = {

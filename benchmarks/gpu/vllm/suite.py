@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import random
 import signal
 import socket
@@ -96,6 +97,28 @@ def write(out: str, name: str, data: dict) -> None:
 
 
 # -- offline ---------------------------------------------------------------------------------------------
+
+
+def gpu_machine() -> dict[str, str]:
+    """Where a run ran: the host, the first visible GPU as nvidia-smi names it (name, memory, driver) and
+    the UTC time, so that a comparison across runs can tell a machine or a GPU model apart. The GPU fields
+    are missing where nvidia-smi is."""
+    info = {"host": platform.node(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    query = "name,memory.total,driver_version"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", visible],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return info
+    fields = [f.strip() for f in out.stdout.strip().split(",")]
+    if out.returncode == 0 and len(fields) == 3:
+        info.update(zip(("gpu", "gpu_memory", "driver"), fields, strict=True))
+    return info
 
 
 def wait_for_empty_gpus(timeout: float = 180) -> float:
