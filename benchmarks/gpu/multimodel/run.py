@@ -177,6 +177,12 @@ def start_clients(servers: list[harness.Server], plans: list[list[Arrival]], fol
     return Clients(begin, procs, paths)
 
 
+def gpu_index(args: argparse.Namespace) -> str:
+    """The GPU the engines run on (``--gpu``, else the first of ``CUDA_VISIBLE_DEVICES``), as nvidia-smi
+    numbers it."""
+    return (args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+
+
 def run_config(args: argparse.Namespace, config: str) -> dict:
     """Start the servers of ``config`` (static or elastic), replay the traffic, stop them; the run's JSON."""
     count = args.models
@@ -190,7 +196,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     plans = [schedule(i, count, args) for i in range(count)]
     result: dict = {
         "config": config,
-        "machine": harness.gpu_machine(),
+        "machine": harness.gpu_machine(gpu_index(args)),
         "models": [s.name for s in shapes],
         "gpu_memory_utilization": float(util),
         "traffic": {
@@ -372,7 +378,7 @@ def main() -> int:
     if args.command == "compare":
         harness.write(args.out, run_name(args, "multimodel"), compare(args))
         return 0
-    harness.TOTAL = harness.gpu_bytes((args.gpu or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+    harness.TOTAL = harness.gpu_bytes(gpu_index(args))
     failed = False
     for config in ("static", "elastic") if args.command == "both" else (args.command,):
         result = run_config(args, config)

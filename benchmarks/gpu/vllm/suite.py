@@ -99,16 +99,15 @@ def write(out: str, name: str, data: dict) -> None:
 # -- offline ---------------------------------------------------------------------------------------------
 
 
-def gpu_machine() -> dict[str, str]:
-    """Where a run ran: the host, the first visible GPU as nvidia-smi names it (name, memory, driver) and
-    the UTC time, so that a comparison across runs can tell a machine or a GPU model apart. The GPU fields
-    are missing where nvidia-smi is."""
+def gpu_machine(index: str) -> dict[str, str]:
+    """Where a run ran: the host, GPU ``index`` as nvidia-smi names it (name, memory, driver) and the UTC
+    time, so that a comparison across runs can tell a machine or a GPU model apart. The GPU fields are
+    missing where nvidia-smi is."""
     info = {"host": platform.node(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     query = "name,memory.total,driver_version"
     try:
         out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", visible],
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", index],
             capture_output=True,
             text=True,
             timeout=30,
