@@ -259,7 +259,7 @@ class ElasticBlockPool(BlockPool):
             return 0
         victims: list[int] = []
         for page in list(self._idle_pages)[: self._manager.pages_over_cap()]:
-            if len(self._cached_free) - len(self._cached_by_page[page]) < floor_blocks:
+            if not self._keeps_floor(page, floor_blocks):
                 break
             victims += self._take_page(page)
         self._drop(victims)
@@ -272,7 +272,11 @@ class ElasticBlockPool(BlockPool):
         if self._manager is None or self._manager.pages_over_cap() == 0:
             return False
         page = next(iter(self._idle_pages), None)  # the first page shrink_prefix_cache would take
-        return page is not None and len(self._cached_free) - len(self._cached_by_page.get(page, ())) >= floor_blocks
+        return page is not None and self._keeps_floor(page, floor_blocks)
+
+    def _keeps_floor(self, page: int, floor_blocks: int) -> bool:
+        """Whether giving back ``page``'s cached blocks leaves at least ``floor_blocks`` cached."""
+        return len(self._cached_free) - len(self._cached_by_page.get(page, ())) >= floor_blocks
 
     def has_idle_pages(self) -> bool:
         """Whether pages that hold no allocated block are mapped (kvcached keeps the engine's recent demand
