@@ -24,6 +24,7 @@ import pytest
 
 HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu", "vllm")
 sys.path.insert(0, HARNESS)
+import machine_load  # noqa: E402
 import suite  # noqa: E402
 
 
@@ -338,11 +339,11 @@ def test_a_serve_file_written_mid_run_holds_the_pairs_finished_so_far(tmp_path):
 
 def test_host_cpu_seconds_sees_this_process_burn():
     """The whole machine's busy CPU from /proc/stat grows by at least what this process burns."""
-    before = suite.host_cpu_seconds()
+    before = machine_load.host_cpu_seconds()
     end = time.process_time() + 0.5
     while time.process_time() < end:
         pass
-    after = suite.host_cpu_seconds()
+    after = machine_load.host_cpu_seconds()
     assert after["busy"] - before["busy"] >= 0.45
     assert after["steal"] >= before["steal"] >= 0
 
@@ -351,19 +352,46 @@ def test_gpu_clocks_summarises_what_nvidia_smi_printed(tmp_path, monkeypatch):
     """``nvidia-smi`` is a script here (no GPU): it prints what the real one prints with ``-lms``, a row
     per sample, ``[N/A]`` where a figure is missing, until it is stopped; without it there is nothing."""
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert suite.GpuClocks().stop() == {}
+    assert machine_load.GpuClocks().stop() == {}
     fake = tmp_path / "nvidia-smi"
     rows = ["1980, 350.5, 41, 0x0000000000000000", "1755, 690.0, 48, 0x0000000000000004", "[N/A], [N/A], 47, 0x0"]
     body = "".join(f"echo '{row}'\n" for row in rows)
     fake.write_text(f"#!/bin/sh\n{body}echo '1980, 700.0, 49, 0x0000000000000004'\necho '19'\nexec sleep 60\n")
     fake.chmod(0o700)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin")
-    clocks = suite.GpuClocks()
+    clocks = machine_load.GpuClocks()
     time.sleep(0.5)
     seen = clocks.stop()
     assert seen["samples"] == 3 and seen["sm_mhz_p50"] == 1980 and seen["sm_mhz_min"] == 1755
     assert seen["power_w_p50"] == 690.0 and seen["temperature_c_max"] == 49
     assert seen["clock_events"] == ["0x0000000000000000", "0x0000000000000004"]
+
+
+def test_each_timed_batch_records_the_machine_load_beside_it(tmp_path, monkeypatch):
+    """An offline engine's batches carry the GPU's clocks and the host's busy cores of their own span, so a
+    pair run minutes apart on a noisy machine shows which batch the machine slowed. The engine is a function
+    burning this process's CPU (no GPU here) and ``nvidia-smi`` a script printing one sample per start."""
+    import offline_engine
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '1410, 600.0, 50, 0x0000000000000004'\nexec sleep 60\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    monkeypatch.setenv("KVCACHED_RUNTIME_DIR", str(tmp_path / "runtime"))  # no kvcached pool: zero activity
+
+    def generate(prompts: list[list[int]]) -> int:
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+        time.sleep(0.2)  # nvidia-smi's sample arrives while the batch runs
+        return 16 * len(prompts)
+
+    result = offline_engine.timed_batches(generate, [[1, 2, 3]] * 4, 3, repeats=2)
+    assert len(result["load_each"]) == len(result["seconds_each"]) == 2
+    for load in result["load_each"]:
+        assert load["gpu"]["sm_mhz_p50"] == 1410 and load["gpu"]["clock_events"] == ["0x0000000000000004"]
+        assert load["host"]["busy_cores"] >= 0.5 and load["host"]["steal_cores"] >= 0
+    assert result["kvcached_each"][0]["page_maps"] == 0
 
 
 def test_a_run_records_the_gpu_nvidia_smi_names_and_the_host(tmp_path, monkeypatch):

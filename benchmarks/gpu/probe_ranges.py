@@ -1,6 +1,6 @@
 """Does what the driver charges for a page depend on the address range it lands in? Prints JSON.
 
-    python benchmarks/gpu/probe_ranges.py [--gib 16] [--out FILE]
+    python benchmarks/gpu/probe_ranges.py [--gib 16] [--gap-us 25] [--out FILE]
 
 On an H100, growing 16 GiB of KV with 32 MiB pages cost 109 us a page in one buffer (kvcached's
 ``block-outer`` layout) but 75 us spread over 32 buffers (the ``engine`` layout), with the same number of
@@ -17,6 +17,13 @@ as kvcached does by default) and without. Per variant: microseconds per page and
 is slower with the backstop only, the cost is the driver's unmap of a range that maps one handle many
 times; if slower in both, the driver charges per mapping already in a reservation; if neither, the
 difference lies in kvcached.
+
+The first H100 run (2026-12-07) found neither: 62 us a page in one range, 68 over 32 (both with the
+backstop). What else differs is the rhythm: growing by ``alloc(1)``, the engine layout maps its 32 pages
+back to back and then hands out 2048 blocks, where block-outer maps one page between every 64 blocks. So
+``one_range_spaced`` maps one range with the backstop and ``--gap-us`` of CPU work (what 64 ``alloc(1)``
+calls take) between pages, the gap not counted: if it costs more per page than ``one_range_backstop``, an
+isolated map call costs the driver more than one in a run of calls.
 """
 
 from __future__ import annotations
@@ -29,23 +36,37 @@ from probe_slices import SLAB, Driver, open_driver, report
 BUFFERS = 32
 
 
-def grow(drv: Driver, ranges: list[int], pages_per_range: int, handles: list[int], backstop: int | None) -> float:
+def busy(seconds: float) -> None:
+    """Keep this thread on the CPU for ``seconds`` (a sleep would hand the core to others)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def grow(
+    drv: Driver, ranges: list[int], pages_per_range: int, handles: list[int], backstop: int | None, gap_s: float = 0
+) -> float:
     """Seconds to map ``handles`` over ``ranges`` round-robin (page k of every range, then k + 1), each
-    page's backstop mapping unmapped first when there is one."""
-    start = time.perf_counter()
+    page's backstop mapping unmapped first when there is one; ``gap_s`` of CPU work after each page is left
+    out of the figure."""
+    mapping = 0.0
     i = 0
     for k in range(pages_per_range):
         for base in ranges:
             addr = base + k * SLAB
+            start = time.perf_counter()
             if backstop is not None:
                 drv.unmap(addr, SLAB)
             drv.map(addr, SLAB, handles[i])
             drv.set_access(addr, SLAB)
+            mapping += time.perf_counter() - start
             i += 1
-    return time.perf_counter() - start
+            if gap_s:
+                busy(gap_s)
+    return mapping
 
 
-def variant(drv: Driver, total: int, buffers: int, handles: list[int], backstop: int | None) -> dict:
+def variant(drv: Driver, total: int, buffers: int, handles: list[int], backstop: int | None, gap_s: float = 0) -> dict:
     """One layout, grown once from empty; every mapping and reservation undone after."""
     per_range = total // buffers
     pages = per_range // SLAB
@@ -56,7 +77,7 @@ def variant(drv: Driver, total: int, buffers: int, handles: list[int], backstop:
                 for k in range(pages):
                     drv.map(base + k * SLAB, SLAB, backstop)
                 drv.set_access(base, per_range)
-        seconds = grow(drv, ranges, pages, handles, backstop)
+        seconds = grow(drv, ranges, pages, handles, backstop, gap_s)
         for base in ranges:
             for k in range(pages):
                 drv.unmap(base + k * SLAB, SLAB)
@@ -71,14 +92,15 @@ def variant(drv: Driver, total: int, buffers: int, handles: list[int], backstop:
     }
 
 
-def probe(drv: Driver, total: int) -> dict:
+def probe(drv: Driver, total: int, gap_us: float) -> dict:
     handles = [drv.create(SLAB) for _ in range(total // SLAB)]
     backstop = drv.create(SLAB)
-    out: dict = {"bytes": total, "page_bytes": SLAB}
+    out: dict = {"bytes": total, "page_bytes": SLAB, "gap_us": gap_us}
     try:
         for name, buffers in (("one_range", 1), ("per_buffer", BUFFERS)):
             out[f"{name}_backstop"] = variant(drv, total, buffers, handles, backstop)
             out[name] = variant(drv, total, buffers, handles, None)
+        out["one_range_spaced"] = variant(drv, total, 1, handles, backstop, gap_us / 1e6)
     finally:
         for h in handles + [backstop]:
             drv.call("cuMemRelease", h)
@@ -89,14 +111,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=int, default=16, help="bytes made usable by each variant (GiB, default 16)")
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument(
+        "--gap-us", type=float, default=25.0, help="CPU work between pages in one_range_spaced (us, default 25)"
+    )
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     if args.gib < 1:
         parser.error("--gib must be at least 1")
+    if args.gap_us < 0:
+        parser.error("--gap-us must not be negative")
     drv = open_driver("probe_ranges", args.device)
     if drv is None:
         return 2
-    report({"probe": "ranges", "device": args.device, "variants": probe(drv, args.gib << 30)}, args.out)
+    report({"probe": "ranges", "device": args.device, "variants": probe(drv, args.gib << 30, args.gap_us)}, args.out)
     return 0
 
 

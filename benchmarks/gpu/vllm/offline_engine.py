@@ -20,6 +20,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from machine_load import MachineLoad  # this folder (sys.path[0], or put first by the SGLang engine)
+
 
 def identity_prompts(n: int, vocab: int) -> list[list[int]]:
     """Half the prompts share a 256-token prefix (prefix-cache hits), lengths 64 to 512 tokens."""
@@ -70,14 +72,18 @@ def timed_batches(
 ) -> dict:
     """The median of ``repeats`` timed ``generate(batch)`` calls (each returns the tokens it generated), after a
     warm-up on 64 prompts: one batch's luck does not decide an engine's figure. Each batch's kvcached map and
-    unmap calls are recorded with it (where the time went when a batch is slower)."""
+    unmap calls are recorded with it (where the time went when a batch is slower), and so is the machine's
+    load meanwhile (``load_each``: the GPU's clocks, the host's busy and stolen cores), which tells a slow
+    machine from a slow engine when two engines of a pair ran minutes apart."""
     generate(batch[:64])
-    seconds, activity, generated = [], [], 0
+    seconds, activity, load, generated = [], [], [], 0
     for _ in range(repeats):
         before = kv_activity(engine=engine)
+        watch = MachineLoad()
         begin = time.monotonic()
         generated = generate(batch)
         seconds.append(time.monotonic() - begin)
+        load.append(watch.stop())
         after = kv_activity(engine=engine)
         activity.append(
             {k: after[k] - before[k] for k in ("page_maps", "page_unmaps")}
@@ -88,6 +94,7 @@ def timed_batches(
         "seconds": elapsed,
         "seconds_each": seconds,
         "kvcached_each": activity,
+        "load_each": load,
         "output_tokens_per_s": generated / elapsed,
         "total_tokens_per_s": (generated + len(batch) * input_len) / elapsed,
         "requests_per_s": len(batch) / elapsed,

@@ -55,6 +55,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from machine_load import MachineLoad  # this folder, like offline_engine
 from offline_engine import kv_activity  # this folder (sys.path[0], or put first by the SGLang harness)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -726,62 +727,6 @@ def engine_figures(grew: dict[str, float], cpu: dict[str, float], wall_s: float)
     return figures
 
 
-def host_cpu_seconds() -> dict[str, float]:
-    """The whole machine's CPU seconds so far, all cores (/proc/stat): ``busy`` (not idle, not waiting on
-    I/O) and ``steal`` (taken by the host from this virtual machine; 0 where it is not reported)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    tick = os.sysconf("SC_CLK_TCK")
-    return {"busy": (sum(ticks) - ticks[3] - ticks[4]) / tick, "steal": ticks[7] / tick}
-
-
-class GpuClocks:
-    """``nvidia-smi`` sampling the GPU's SM clock, power, temperature and clock-event reasons every 200 ms
-    while a rate runs: a round slowed by the GPU itself (a power or thermal cap, a lower clock) shows here
-    and not in the engine's code. Without nvidia-smi, :meth:`stop` returns {}."""
-
-    QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
-
-    def __init__(self) -> None:
-        index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        command = ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-i", index]
-        try:
-            self.proc: subprocess.Popen | None = subprocess.Popen(
-                [*command, "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-            )
-        except OSError:
-            self.proc = None
-
-    def stop(self) -> dict:
-        """Stop sampling; the median and lowest SM clock (MHz), median power (W), highest temperature (C)
-        and every clock-event bit mask seen (0x1: idle; 0x4: software power cap; 0x20, 0x40: thermal)."""
-        if self.proc is None:
-            return {}
-        self.proc.send_signal(signal.SIGINT)  # what its loop mode is stopped with (Ctrl-C): it exits cleanly
-        try:
-            out, _ = self.proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        rows = []
-        for line in out.splitlines():
-            fields = [f.strip() for f in line.split(",")]
-            try:
-                rows.append((float(fields[0]), float(fields[1]), float(fields[2]), fields[3]))
-            except (ValueError, IndexError):  # "[N/A]" or a cut last line
-                continue
-        if not rows:
-            return {}
-        return {
-            "sm_mhz_p50": statistics.median(r[0] for r in rows),
-            "sm_mhz_min": min(r[0] for r in rows),
-            "power_w_p50": statistics.median(r[1] for r in rows),
-            "temperature_c_max": max(r[2] for r in rows),
-            "clock_events": sorted({r[3] for r in rows}),
-            "samples": len(rows),
-        }
-
-
 def cpu_seconds(session: int, engine_process: str = Server.ENGINE_PROCESS) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the live processes of one process session (a server's:
     it is started in a session of its own), by role: ``engine_core`` (the process whose command line holds
@@ -945,17 +890,16 @@ def serve_rate(
 ) -> dict:
     """One rate (or wave) of ``serve`` on a running server: the client's figures with vLLM's counters,
     kvcached's driver calls and the processes' CPU around it (``engine``), the whole machine's busy and
-    stolen cores (``host``) and the GPU's clocks (``gpu``, :class:`GpuClocks`); with ``profile``, both
+    stolen cores (``host``) and the GPU's clocks (``gpu``): :class:`MachineLoad`; with ``profile``, both
     processes profiled where ``KVCACHED_BENCH_PYSPY`` asks for it."""
     before, counters = driver_calls(server.name), server.metrics(*SERVE_COUNTERS)
-    cpu, host, begin = cpu_seconds(server.proc.pid, server.ENGINE_PROCESS), host_cpu_seconds(), time.monotonic()
+    cpu, begin = cpu_seconds(server.proc.pid, server.ENGINE_PROCESS), time.monotonic()
     log_from = server.log_size()
     profiles = profile_server(server, f"{side}-{round_ + 1}", out) if profile else []
-    clocks = GpuClocks()
+    load = MachineLoad()
     stats = asyncio.run(open_loop(server.port, server.name, token_prompts(n, 512, seed), rate, 128))
     wall_s, cpu_after = time.monotonic() - begin, cpu_seconds(server.proc.pid, server.ENGINE_PROCESS)
-    host_after, stats["gpu"] = host_cpu_seconds(), clocks.stop()
-    stats["host"] = {f"{k}_cores": (host_after[k] - host[k]) / wall_s for k in host}
+    stats.update(load.stop())
     for recorder in profiles:
         recorder.wait(60)
     stats["round"], stats["wave"] = round_, wave
