@@ -25,8 +25,8 @@ def host_cpu_seconds() -> dict[str, float]:
 
 class GpuClocks:
     """``nvidia-smi`` sampling the GPU's SM clock, power, temperature and clock-event reasons every 200 ms
-    while a rate runs: a round slowed by the GPU itself (a power or thermal cap, a lower clock) shows here
-    and not in the engine's code. Without nvidia-smi, :meth:`stop` returns {}."""
+    from construction to :meth:`stop` (the GPU of ``CUDA_VISIBLE_DEVICES``, else 0). Without nvidia-smi,
+    :meth:`stop` returns {}."""
 
     QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
