@@ -126,18 +126,24 @@ def test_the_sampler_records_each_engines_mapped_memory_and_fair_shares_caps_whi
     assert "sampled:yield_cap" not in samples[-1] and "sampled:admit_cap" not in samples[0]
 
 
+def load_multimodel():
+    """benchmarks/gpu/multimodel/run.py as a module."""
+    path = os.path.join(os.path.dirname(HARNESS), "multimodel", "run.py")
+    spec = importlib.util.spec_from_file_location("multimodel_run", path)  # "run" alone would be ambiguous
+    multimodel = sys.modules["multimodel_run"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(multimodel)
+    return multimodel
+
+
 def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_refuses_other_traffic(tmp_path):
     """``run.py compare`` on the multimodel benchmark's own JSON: a static run written before ``--pattern``
     existed (no pattern field; it replayed staggered bursts) compares with a staggered elastic run, the
     elastic engines' peak and median mapped KV are reported, and a run of different traffic is refused with
     the option that differs."""
-    path = os.path.join(os.path.dirname(HARNESS), "multimodel", "run.py")
-    spec = importlib.util.spec_from_file_location("multimodel_run", path)  # "run" alone would be ambiguous
-    multimodel = sys.modules["multimodel_run"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
-    spec.loader.exec_module(multimodel)
+    multimodel = load_multimodel()
 
     traffic = {"duration": 10.0, "period_s": 40.0, "burst_s": 10.0, "burst_rate": 40.0, "idle_rate": 0.5}
-    request = {"model": 0, "ok": True, "ttft": 0.2, "tpot": 0.01, "end_s": 5.0}
+    request = {"model": 0, "ok": True, "ttft": 0.2, "tpot": 0.01, "end_s": 5.0, "arrival_s": 1.0}
     gib = 1 << 30
     kv = [{"t": t, "m": n * gib} for t, n in ((0.0, 1), (0.05, 9), (0.1, 4))]
     kv[1]["m:yield_cap"] = 5 * gib  # fair share capped it at one sample: drawn, and no figure of its own
@@ -150,6 +156,9 @@ def test_compare_takes_a_run_recorded_before_patterns_existed_as_staggered_and_r
     summary = multimodel.compare(args)
     assert summary["per_model"]["m"]["elastic_over_static"]["ttft_p50"] == pytest.approx(0.25)
     assert summary["elastic_kv_gib"] == {"m": {"peak": 9.0, "median": 4.0}}
+    [burst] = summary["per_model"]["m"]["bursts"]  # model 0's one period in 10 s of traffic
+    assert (burst["from_s"], burst["to_s"], burst["static"]["requests"]) == (0.0, 10.0, 2)
+    assert burst["ttft_p50_ratio"] == pytest.approx(0.25) and burst["tpot_p50_ratio"] == pytest.approx(1.0)
     assert (tmp_path / "multimodel_x2.png").stat().st_size > 0
 
     elastic = json.loads((tmp_path / "elastic_x2.json").read_text())
@@ -186,6 +195,19 @@ child.stdout.readline()
 print("burnt", flush=True)
 time.sleep(120)
 """
+
+
+def test_burst_periods_follow_each_models_own_bursts():
+    """Per-burst figures split a model's requests at the start of each of its bursts, as the schedule placed
+    them: staggered, the second of two models' first period is its idle lead-in; aligned, every model's
+    periods start together."""
+    multimodel = load_multimodel()
+    traffic = {"duration": 120.0, "period_s": 40.0, "burst_s": 10.0}
+    assert multimodel.burst_windows(0, 2, traffic) == [(0.0, 40.0), (40.0, 80.0), (80.0, 120.0)]
+    assert multimodel.burst_windows(1, 2, traffic) == [(0.0, 20.0), (20.0, 60.0), (60.0, 100.0), (100.0, 120.0)]
+    assert multimodel.burst_windows(1, 2, {**traffic, "pattern": "aligned"}) == multimodel.burst_windows(0, 2, traffic)
+    third = multimodel.burst_windows(2, 3, {**traffic, "duration": 50.0})
+    assert third[0][0] == 0.0 and third[1][0] == pytest.approx(80 / 3) and third[-1][1] == 50.0
 
 
 def test_cpu_seconds_counts_each_role_of_a_server_session_from_proc():

@@ -248,6 +248,38 @@ def model_stats(records: list[dict], model: int, slo_s: float, duration: float) 
     }
 
 
+def burst_windows(index: int, count: int, traffic: dict) -> list[tuple[float, float]]:
+    """Model ``index``'s periods of the replayed traffic, each from the start of one of its bursts to the start
+    of its next (the first from 0 when its first burst starts later), as :func:`schedule` placed them."""
+    period, duration = traffic["period_s"], traffic["duration"]
+    offset = period * index / count if traffic.get("pattern", "staggered") == "staggered" else 0.0
+    starts = sorted({0.0} | {offset + k * period for k in range(int(duration // period) + 1)})
+    edges = [t for t in starts if t < duration] + [duration]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def per_burst(runs: dict, index: int, count: int) -> list[dict]:
+    """TTFT and TPOT p50 of model ``index``'s requests arriving in each of its burst periods, static and
+    elastic, and elastic over static. Both runs replay the same arrivals, so a machine that is uniformly
+    slower moves every period alike, while a hand-over that came late shows in the periods after it."""
+    rows = []
+    for begin, end in burst_windows(index, count, runs["static"]["traffic"]):
+        row: dict = {"from_s": round(begin, 2), "to_s": round(end, 2)}
+        for config, run in runs.items():
+            mine = (r for r in run.get("requests", []) if r["model"] == index and r.get("ok"))
+            ok = [r for r in mine if begin <= r["arrival_s"] < end]
+            row[config] = {
+                "requests": len(ok),
+                "ttft_p50": harness.pct([r["ttft"] for r in ok], 50),
+                "tpot_p50": harness.pct([r["tpot"] for r in ok], 50),
+            }
+        for k in ("ttft_p50", "tpot_p50"):
+            base, new = row["static"][k], row["elastic"][k]
+            row[f"{k}_ratio"] = new / base if base and new is not None else None
+        rows.append(row)
+    return rows
+
+
 def run_name(args: argparse.Namespace, what: str) -> str:
     """``static_x2``, ``multimodel_x3``, ...; ``-aligned`` added for the aligned pattern."""
     return f"{what}_x{args.models}" + ("" if args.pattern == "staggered" else f"-{args.pattern}")
@@ -293,6 +325,7 @@ def compare(args: argparse.Namespace) -> dict:
             k: (row["elastic"][k] / row["static"][k] if row["static"][k] and row["elastic"][k] is not None else None)
             for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "requests_per_s")
         }
+        row["bursts"] = per_burst(runs, i, len(models))
         summary["per_model"][name] = row
     summary["elastic_kv_gib"] = kv_held(runs["elastic"].get("kv_samples", []), models)
     summary["preemptions"] = {c: runs[c].get("preemptions") for c in runs}
