@@ -322,6 +322,32 @@ def test_offline_ratios_are_given_pair_by_pair_pooled_and_after_each_engines_fir
     assert result["rounds"]["kvcached"][0]["identity"]["identical"] == 1
 
 
+def test_offline_starts_no_engine_that_cannot_finish_before_the_budget_ends(tmp_path, monkeypatch):
+    """run.sh stops whatever still runs when its budget is spent: an engine started too late spends device
+    time and measures nothing. So ``offline`` starts the next engine only if the time left covers the
+    longest one so far; without a deadline (the harness run by hand) every engine runs. The engines here are
+    a function taking 0.3 s (no GPU)."""
+    ran: list[bool] = []
+
+    def engine(args, kvcached, extra, logfile, env=None):
+        ran.append(kvcached)
+        time.sleep(0.3)
+        tokens = {"seconds": 1.0, "seconds_each": [1.0], "output_tokens_per_s": 1.0}
+        return {"startup_s": 0.1, "throughput": tokens, "tokens": [[1, 2]]}
+
+    monkeypatch.setattr(suite, "run_offline_engine", engine)
+    args = argparse.Namespace(sides=[suite.SERVER_SIDES[0], suite.SERVER_SIDES[1]], rounds=2, out=str(tmp_path))
+    monkeypatch.delenv("KVCACHED_BENCH_DEADLINE", raising=False)
+    assert suite.offline_rounds(args)["rounds"]["kvcached"] and ran == [False, True, True, False]
+
+    ran.clear()
+    monkeypatch.setenv("KVCACHED_BENCH_DEADLINE", str(time.time() + suite.PACK_MARGIN_S + 0.5))
+    result = suite.offline_rounds(args)
+    assert ran == [False]  # 0.2 s left after the first engine's 0.3 s: the second is not started
+    assert result["stopped_for_budget"]["side"] == "kvcached" and result["stopped_for_budget"]["round"] == 0
+    assert json.loads((tmp_path / "offline.json").read_text())["stopped_for_budget"]["side"] == "kvcached"
+
+
 def test_decode_gpu_time_is_compared_at_equal_load_over_the_bands_both_servers_reached():
     """A server that ran with more tokens in flight logs longer steps at the same cost per band: the
     equal-load ratio compares band by band, only where both have steps, and is absent where none is shared."""

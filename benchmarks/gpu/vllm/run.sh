@@ -10,8 +10,8 @@
 #
 # Work folder: /tmp/kvbench (kept while the machine is up, so later calls add to it). OUT_DIR gets
 # summary.json (every number so far, no raw samples), the sharing PNGs and results.tar.gz (every phase's
-# full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540) bounds the streams, so the results are
-# packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached; `peer` builds and runs
+# full JSON and every log). KVCACHED_BENCH_BUDGET_S (default 540, from this script's start) bounds the
+# streams, so the results are packed before a device call's limit. KVCACHED_BENCH_SIDES (e.g. vanilla,kvcached; `peer` builds and runs
 # the peer project too) picks the engines of offline, serve, serve-ab and burst; KVCACHED_BENCH_ROUNDS (default 1)
 # runs offline's and serve's that many times, alternating (serve-ab: at least 4); KVCACHED_BENCH_RATES (e.g. inf)
 # runs only those of serve's and serve-ab's rates 16,64,inf. A failing phase does not stop
@@ -107,6 +107,8 @@ run_phase() {  # run_phase GPUS PHASE: one phase on those GPUs, its output in th
 }
 
 budget="${KVCACHED_BENCH_BUDGET_S:-540}"
+# The phases read it, so as not to start an engine that cannot finish in time (suite.seconds_left).
+export KVCACHED_BENCH_DEADLINE=$((started + budget))
 pack() {  # whatever happened, what ran so far comes back
   "$py" "$repo/benchmarks/gpu/vllm/summary.py" "$out" > "$final/summary.json"
   cp "$out"/*.png "$final/" 2>/dev/null
@@ -127,7 +129,7 @@ for stream in "$@"; do
   pids+=($!)
 done
 alive() { for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
-deadline=$((started + budget))
+deadline=$KVCACHED_BENCH_DEADLINE
 while [ "$(date +%s)" -lt "$deadline" ] && alive; do sleep 2; done
 if alive; then
   # Out of time: stop every engine and driver this run started (servers run in sessions of their own). The

@@ -233,14 +233,38 @@ def offline_rounds(args: argparse.Namespace) -> dict:
     extra = ["--identity-prompts", "32", "--throughput-prompts", "1024"]
     runs: dict[str, list[dict]] = {side: [] for side, _, _ in args.sides}
     result: dict = {}
+    longest = 0.0  # the longest engine so far: what the next one is expected to take
     for round_ in range(args.rounds):
         for side, kvcached, env in round_order(args.sides, round_):
+            left = seconds_left()
+            if left is not None and left < longest:
+                log(f"offline: {left:.0f} s of the budget left, an engine took {longest:.0f} s: no more engines")
+                result["stopped_for_budget"] = {"round": round_, "side": side, "seconds_left": round(left)}
+                write(args.out, "offline", result)
+                return result
             log(f"offline {side} (round {round_ + 1} of {args.rounds})")
+            begin = time.monotonic()
             run = run_offline_engine(args, kvcached, extra, logfile, env)
+            longest = max(longest, time.monotonic() - begin)
             runs[side].append({"round": round_, **run})
             result = summarise_offline(runs)
             write(args.out, "offline", result)
     return result
+
+
+# Seconds kept back at the end of run.sh's budget for what follows the phases (packing the results).
+PACK_MARGIN_S = 20
+
+
+def seconds_left() -> float | None:
+    """Seconds until run.sh stops this run (``KVCACHED_BENCH_DEADLINE``, epoch seconds, less
+    :data:`PACK_MARGIN_S`), or None when no deadline was set (the harness run by hand). A phase that knows
+    how long its next engine takes starts it only if it can finish: an engine cut by the budget spends
+    minutes of device time and measures nothing."""
+    deadline = os.environ.get("KVCACHED_BENCH_DEADLINE")
+    if not deadline:
+        return None
+    return float(deadline) - PACK_MARGIN_S - time.time()
 
 
 def round_order(sides: list[tuple], round_: int) -> list[tuple]:

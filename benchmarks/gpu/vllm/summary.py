@@ -23,6 +23,7 @@ BRIEF = {
     "max_mapped_2s_after",
     "failed",
     "ttft_p50_ratio",
+    "stopped_for_budget",
 }
 BRIEF_PREFIXES = ("ratio_", "pooled_ratio_")
 
