@@ -364,6 +364,53 @@ def test_fair_share_keeps_a_short_neighbours_share_for_it_until_its_claim_ends(t
         child.wait()
 
 
+def test_a_fair_share_floor_keeps_part_of_an_idle_neighbours_share_free_for_it(tmp_path, monkeypatch):
+    """``KVCACHED_FAIR_SHARE_FLOOR=0.5`` on a 64 MiB budget shared by two engines (an equal share 32 MiB): with
+    the neighbour holding nothing, this engine grows to 48 MiB and no further, so the neighbour's next 16 MiB
+    are there at once, without a shortfall or a yield (its process fails if they are not). A neighbour holding
+    more than its floor leaves this engine the rest; a claim caps below the floor's cap while it lasts, and
+    the floor's cap stays when it ends; alone on the device, no cap at all."""
+    from conftest import wait_for
+
+    from kvcached_core.fair_share import FairShare
+    from kvcached_core.pressure import PressureWatch
+
+    MiB = 1 << 20
+    monkeypatch.setattr(FairShare, "CLAIM_S", 2.0)
+    settings = fair_share_settings(monkeypatch, tmp_path, "64MiB", FAIR_SHARE_FLOOR="0.5")
+    child, tell = start_neighbour()
+    tell("free")  # the neighbour idles on nothing
+    mine = my_pool(settings)
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    try:
+        assert wait_for(lambda: mine.yield_cap == 48 * MiB)
+        assert mine.admit_cap is None  # growth is bounded, not what it keeps: idle pages still go when asked
+        held = mine.alloc(48)
+        assert held is not None and mine.alloc(1) is None
+        assert not mine.physically_short()  # its floor cap stops it, not the device: no neighbour must yield
+        tell("grow")  # 16 MiB: its floor, free although this engine wanted more
+        mine.free(held[16:])
+        mine.trim()
+        tell("grow")  # 32 MiB, above its floor: this engine may have the rest, 32 MiB
+        assert wait_for(lambda: mine.yield_cap == 32 * MiB)
+        tell("free")
+        assert wait_for(lambda: mine.yield_cap == 48 * MiB)
+        more = mine.alloc(32)  # 48 MiB again, then the neighbour falls short: the claim's cap is the lower
+        assert more is not None
+        tell("short")
+        assert wait_for(lambda: mine.yield_cap == 32 * MiB)
+        assert wait_for(lambda: mine.yield_cap == 48 * MiB, timeout=4 * FairShare.CLAIM_S)  # the claim ended
+        child.kill()
+        child.wait()  # its segment goes with it: alone on the device
+        assert wait_for(lambda: mine.yield_cap is None and mine.admit_cap is None)
+        assert mine.alloc(16) is not None  # 64 MiB: beyond what the floor capped it at
+    finally:
+        watch.close()
+        mine.close()
+        child.kill()
+        child.wait()
+
+
 def test_a_shortfall_never_raises_a_cap_even_while_this_engines_segment_lags_its_frees(tmp_path, monkeypatch):
     """A shortfall read while this process's published segment still shows pages it has freed (it republishes
     every watch interval; here an hour) must not see a share above the one it yields to: counting both its old

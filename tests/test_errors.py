@@ -61,6 +61,7 @@ def test_settings_parse_and_name_the_variable():
     assert s.host_device_bytes == 1536 * 1024 * 1024 and s.pool_target == 0
     assert kc.load_settings({"KVCACHED_ENABLE": "off"}).enable is False
     assert kc.load_settings({"KVCACHED_KV_LAYOUT": " Block-Outer"}).kv_layout == "block-outer"
+    assert kc.load_settings({"KVCACHED_FAIR_SHARE_FLOOR": "0.25"}).fair_share_floor == 0.25
     with pytest.raises(kc.ConfigError, match="KVCACHED_KV_LAYOUT=.*use engine or block-outer"):
         kc.load_settings({"KVCACHED_KV_LAYOUT": "blocks"})
     for env, value in (
@@ -68,6 +69,9 @@ def test_settings_parse_and_name_the_variable():
         ("KVCACHED_POOL_TARGET", "many"),
         ("KVCACHED_HOST_DEVICE_BYTES", "2X"),
         ("KVCACHED_ENABLE", "maybe"),
+        ("KVCACHED_FAIR_SHARE_FLOOR", "1.5"),
+        ("KVCACHED_FAIR_SHARE_FLOOR", "half"),
+        ("KVCACHED_FAIR_SHARE_FLOOR", "nan"),
     ):
         with pytest.raises(kc.ConfigError, match=env):
             kc.load_settings({env: value})

@@ -50,6 +50,16 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:  # also false for nan
+        raise ValueError(f"{text.strip()!r} is not a number from 0 to 1")
+    return value
+
+
 KV_LAYOUTS = ("engine", "block-outer")
 BLOCK_PLACEMENTS = ("compact", "request")
 
@@ -103,6 +113,7 @@ class Settings:
     fair_share: bool = False
     fair_share_wait_ms: int = 0
     fair_share_admit_first: bool = False
+    fair_share_floor: float = 0.0
     kv_layout: str = "engine"
     block_placement: str = "compact"
     runtime_dir: str | None = None
@@ -204,6 +215,14 @@ SETTINGS: dict[str, Setting] = {
         "with KVCACHED_FAIR_SHARE, a vLLM engine above an equal share stops admitting new requests at a "
         "neighbour's first shortfall, before the wait ends: its running requests finish and hand their memory "
         "over, nothing is preempted (SGLang engines wait as without it)",
+    ),
+    "fair_share_floor": Setting(
+        "KVCACHED_FAIR_SHARE_FLOOR",
+        _fraction,
+        "with KVCACHED_FAIR_SHARE, the part of an equal share of the device (0 to 1) that every engine keeps "
+        "free for itself however little it holds: no neighbour grows into it, so an idle engine's next burst "
+        "starts at once on that much instead of waiting for a neighbour to yield (0 = all of an idle engine's "
+        "share is lent; 1 = static slices)",
     ),
     "kv_layout": Setting(
         "KVCACHED_KV_LAYOUT",

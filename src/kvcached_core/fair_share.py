@@ -43,6 +43,14 @@ that would hold the memory for minutes) is not. Other engines do nothing until t
 overloaded models in vLLM's own layout, stopping admissions freed nothing within a 5 s wait: each 2 GiB
 page row held blocks of requests that ran for tens of seconds.)
 
+What an idle engine lends, it gets back only after the wait and the neighbour's yield; when every engine is
+overloaded, the requests it could not run meanwhile stay ahead of all its later ones, so it never catches up
+(two models on an H100: the lender's TTFT p50 1.21x and 1.10x static's in its bursts after the first, at
+static's decode speed). ``KVCACHED_FAIR_SHARE_FLOOR`` keeps part of every share out of lending: no engine
+grows into the last ``floor`` of an equal share that a neighbour does not hold, so a neighbour's burst starts
+on that much at once. The bursting engine borrows that much less, which is what elasticity gains where the GPU
+can serve every burst: the default, 0, lends everything.
+
 Only an engine below its equal share makes a claim. When every engine is backlogged at once, the larger
 ones are short too while they hold more than a share; yielding to them moved memory from one overloaded
 engine to another and back (three engines bursting together on an H200: 1765 and 1548 preemptions in the
@@ -72,6 +80,7 @@ class FairShare:
     ADMIT, YIELD = "admit", "yield"  # what the caps hold back: new requests only, or every block
     LIFT_S = 1.0  # a short engine signals every 50 ms: a second without a signal means it has what it needs
     CLAIM_S = 30.0  # how long a short engine's share stays kept for it after its last shortfall
+    FLOOR_LOOK_S = 0.1  # how often the neighbours' floors are read (the segments of every engine on the device)
 
     def __init__(self, settings: Settings, device: str) -> None:
         self.settings = settings
@@ -84,6 +93,10 @@ class FairShare:
         self._wait_s = settings.fair_share_wait_ms / 1000
         self._admit_first = settings.fair_share_admit_first
         self._short: dict[int, tuple[float, float]] = {}  # pid -> (start, last signal) of its current shortfall
+        self._claim_total: int | None = None  # what the claims cap this process's pools at, together
+        self._floor = settings.fair_share_floor  # the part of an equal share every engine keeps free for itself
+        self._floor_total: int | None = None  # what the neighbours' floors cap this process's pools at
+        self._floor_look = 0.0
 
     def _my_pools(self) -> list:
         return [m for m in registry.live_managers() if not m.closed and host_device_label(m.device) == self.device]
@@ -123,19 +136,31 @@ class FairShare:
     def _share(held: dict[int, int], spare: int) -> int:
         return (sum(held.values()) + spare) // len(held) if held else 0
 
-    def _set_caps(self, total_cap: int, pools: list, every_block: bool) -> None:
-        """Cap ``pools`` at ``total_cap`` together, each in proportion to what it maps: their admissions, and
-        with ``every_block`` every allocation."""
+    def _set_caps(self, total_cap: int | None, pools: list, every_block: bool) -> None:
+        """The claims cap ``pools`` at ``total_cap`` together (None: they do not): their admissions, and with
+        ``every_block`` every allocation; :meth:`_write_caps` puts it on the pools."""
+        self._claim_total = total_cap
+        self._write_caps(pools, every_block)
+
+    def _write_caps(self, pools: list, every_block: bool) -> None:
+        """Cap ``pools`` together, each in proportion to what it maps: admissions at the claims' cap
+        (:attr:`KVCacheManager.admit_cap`, under which idle pages also stay mapped: the engine's own share), and
+        every allocation (:attr:`KVCacheManager.yield_cap`) at the lower of the floors' cap and, with
+        ``every_block``, the claims'. The floors only bound growth: an idle engine's empty pages still go to a
+        short neighbour."""
+        claim, floor = self._claim_total, self._floor_total
+        admit = claim
+        block = min((c for c in (claim if every_block else None, floor) if c is not None), default=None)
         mapped = {m: m.snapshot()["mapped_bytes"] for m in pools}
         total = sum(mapped.values())
-        for m, pool_mapped in mapped.items():
-            m.admit_cap = pool_mapped * total_cap // total if total else total_cap // len(mapped)
-            if every_block:
-                m.yield_cap = m.admit_cap
 
-    @staticmethod
-    def _cap_total(pools: list) -> int:
-        return sum(m.admit_cap or 0 for m in pools)
+        def part(cap: int | None, pool_mapped: int) -> int | None:
+            if cap is None:
+                return None
+            return pool_mapped * cap // total if total else cap // len(mapped)
+
+        for m, pool_mapped in mapped.items():
+            m.admit_cap, m.yield_cap = part(admit, pool_mapped), part(block, pool_mapped)
 
     def _short_for(self, pid: int, now: float) -> float:
         """Record a shortfall signal of engine ``pid`` at ``now``; returns how long it has been short without a
@@ -169,11 +194,10 @@ class FairShare:
         if mine <= share or not any(m.snapshot()["mapped_bytes"] for m in pools):
             return self._caps is not None  # at or under the share: caps set before stay
         every_block = past_wait or self._caps == self.YIELD
-        if self._caps is not None and self._cap_total(pools) <= share:
+        if self._caps is not None and (self._claim_total or 0) <= share:
             if self._caps == self.YIELD or not every_block:
                 return True  # raising them is :meth:`tick`'s, once the claims allow it
-            for m in pools:  # the neighbour waited long enough: the admission caps now hold every block
-                m.yield_cap = m.admit_cap
+            self._write_caps(pools, True)  # the neighbour waited long enough: the caps now hold every block
         else:
             self._set_caps(share, pools, every_block)
         caps = self.YIELD if every_block else self.ADMIT
@@ -193,6 +217,9 @@ class FairShare:
         left (only the yield caps once no claim past the wait is), or else let them grow into this engine's
         part of the spare memory that the claims leave."""
         now = time.monotonic()
+        if self._floor and now - self._floor_look >= self.FLOOR_LOOK_S:
+            self._floor_look = now
+            self._keep_floors()
         if self._caps is None or now - max(self._last_shortfall, self._last_look) < self.LIFT_S:
             return
         self._last_look = now  # the segments are read once per LIFT_S, not at every watch interval
@@ -202,14 +229,12 @@ class FairShare:
         self._claims = {p: t for p, t in self._claims.items() if now - t < self.CLAIM_S and p in held}
         self._past_wait &= self._claims.keys()
         if not pools or not self._claims:
-            for m in pools:
-                m.admit_cap = m.yield_cap = None
+            self._set_caps(None, pools, False)  # the floors' caps, if any, stay
             self._caps = None
             logger.info("kvcached: no engine on %s is short of memory any more; no longer yielding", self.device)
             return
         if self._caps == self.YIELD and not self._past_wait:
-            for m in pools:
-                m.yield_cap = None
+            self._write_caps(pools, False)
             self._caps = self.ADMIT
         spare = self._spare(pools)
         share = self._share(held, spare)
@@ -218,5 +243,24 @@ class FairShare:
         if room < min(m.page_bytes * m.num_buffers for m in pools):
             return  # nothing beyond what the claims keep: the caps hold
         mine = held.get(os.getpid(), 0)
-        if mine + room // len(held) > self._cap_total(pools):
+        if mine + room // len(held) > (self._claim_total or 0):
             self._set_caps(mine + room // len(held), pools, self._caps == self.YIELD)
+
+    def _keep_floors(self) -> None:
+        """With ``KVCACHED_FAIR_SHARE_FLOOR``: cap this process's pools so that every other engine on the device
+        can still map ``floor`` of an equal share, whatever it holds now (an idle engine's floor stays free for
+        its next burst), and never below this engine's own floor. No cap while it is alone on the device or
+        the device has no known bound."""
+        pools = self._my_pools()
+        if not pools:
+            return
+        held = self._held(pools)
+        spare = min(m.device_spare_bytes() for m in pools)
+        cap = None
+        if len(held) > 1 and spare < UNBOUNDED:
+            keep = int(self._floor * self._share(held, spare))
+            others = sum(max(h, keep) for pid, h in held.items() if pid != os.getpid())
+            cap = max(keep, sum(held.values()) + spare - others)
+        if cap != self._floor_total:
+            self._floor_total = cap
+            self._write_caps(pools, self._caps == self.YIELD)
