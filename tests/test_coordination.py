@@ -411,6 +411,36 @@ def test_a_fair_share_floor_keeps_part_of_an_idle_neighbours_share_free_for_it(t
         child.wait()
 
 
+def test_a_floor_cap_leaves_room_for_every_pool_of_an_engine(tmp_path, monkeypatch):
+    """An engine with two pools on the device (SGLang's hybrid models: K/V and Mamba state) under a floor's
+    cap of 48 MiB: the room above what they map is split between them, so the pool that maps nothing yet can
+    still grow (a split in proportion to what each maps would give it none)."""
+    from conftest import wait_for
+
+    from kvcached_core import KVCacheManager
+    from kvcached_core.pressure import PressureWatch
+
+    MiB = 1 << 20
+    settings = fair_share_settings(monkeypatch, tmp_path, "64MiB", FAIR_SHARE_FLOOR="0.5")
+    child, tell = start_neighbour()
+    tell("free")
+    first = my_pool(settings)
+    second = KVCacheManager(
+        64, 1 << 20, 1, 1, reserved_pages=0, pool_target=0, pool_max=0, name="second", settings=settings
+    )
+    assert first.alloc(16) is not None
+    watch = PressureWatch(settings, "cpu", has_spare=lambda: False)
+    try:
+        assert wait_for(lambda: (first.yield_cap, second.yield_cap) == (32 * MiB, 16 * MiB))
+        assert second.alloc(16) is not None
+    finally:
+        watch.close()
+        first.close()
+        second.close()
+        child.kill()
+        child.wait()
+
+
 def test_a_shortfall_never_raises_a_cap_even_while_this_engines_segment_lags_its_frees(tmp_path, monkeypatch):
     """A shortfall read while this process's published segment still shows pages it has freed (it republishes
     every watch interval; here an hour) must not see a share above the one it yields to: counting both its old

@@ -143,24 +143,31 @@ class FairShare:
         self._write_caps(pools, every_block)
 
     def _write_caps(self, pools: list, every_block: bool) -> None:
-        """Cap ``pools`` together, each in proportion to what it maps: admissions at the claims' cap
-        (:attr:`KVCacheManager.admit_cap`, under which idle pages also stay mapped: the engine's own share), and
-        every allocation (:attr:`KVCacheManager.yield_cap`) at the lower of the floors' cap and, with
-        ``every_block``, the claims'. The floors only bound growth: an idle engine's empty pages still go to a
-        short neighbour."""
-        claim, floor = self._claim_total, self._floor_total
-        admit = claim
-        block = min((c for c in (claim if every_block else None, floor) if c is not None), default=None)
+        """Cap ``pools`` together: admissions at the claims' cap (:attr:`KVCacheManager.admit_cap`, under which
+        idle pages also stay mapped: the engine's own share), every allocation
+        (:attr:`KVCacheManager.yield_cap`) at the lower of the floors' cap and, with ``every_block``, the
+        claims'. A claim's cap is split in proportion to what each pool maps (they shrink alike); the floors'
+        room above what the pools map is split evenly (a pool that maps nothing yet may still grow). The floors
+        only bound growth: an idle engine's empty pages still go to a short neighbour."""
         mapped = {m: m.snapshot()["mapped_bytes"] for m in pools}
         total = sum(mapped.values())
 
-        def part(cap: int | None, pool_mapped: int) -> int | None:
+        def shrunk(cap: int | None, pool_mapped: int) -> int | None:
             if cap is None:
                 return None
             return pool_mapped * cap // total if total else cap // len(mapped)
 
+        floor = self._floor_total
         for m, pool_mapped in mapped.items():
-            m.admit_cap, m.yield_cap = part(admit, pool_mapped), part(block, pool_mapped)
+            claim = shrunk(self._claim_total, pool_mapped)
+            if floor is None:
+                floor_cap = None
+            elif floor >= total:
+                floor_cap = pool_mapped + (floor - total) // len(mapped)
+            else:
+                floor_cap = shrunk(floor, pool_mapped)
+            block = [c for c in (claim if every_block else None, floor_cap) if c is not None]
+            m.admit_cap, m.yield_cap = claim, min(block, default=None)
 
     def _short_for(self, pid: int, now: float) -> float:
         """Record a shortfall signal of engine ``pid`` at ``now``; returns how long it has been short without a
