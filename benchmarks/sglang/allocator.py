@@ -45,7 +45,7 @@ from kvcached_sglang.pools import close_manager  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import host_info, summarize, write_report  # noqa: E402
 
-SLOTS = 1 << 18  # token slots of each pool: 262144, 8 MiB of K/V at the shape below
+SLOTS = 1 << 18  # token slots of the pool: 262144, 128 MiB of K/V at the shape below
 SHAPE = {"head_num": 1, "head_dim": 64, "layer_num": 2}
 DECODE_BATCH = 1024
 FINISHED_PER_STEP, FINISHED_SLOTS = 4, 768  # 1024 requests of 512 + 256 tokens: 4 finish a step
@@ -57,7 +57,7 @@ def hook(unit: str) -> type:
     return patch.hook
 
 
-def make_allocator(pool_class: type, allocator_class: type):
+def make_allocator(pool_class: type, allocator_class: type) -> tuple[object, object]:
     """A pool of :data:`SLOTS` token slots on CPU and an allocator over it, as SGLang's configurator builds
     them (page size 1, no memory saver)."""
     pool = pool_class(
