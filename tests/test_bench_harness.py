@@ -446,12 +446,12 @@ def test_a_run_records_the_gpu_nvidia_smi_names_and_the_host(tmp_path, monkeypat
     """``gpu_machine`` asks ``nvidia-smi`` (a script here) for the GPU the run uses; without it, the host and
     the time alone."""
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert set(suite.gpu_machine("0")) == {"host", "started_utc"}
+    assert set(machine_load.gpu_machine("0")) == {"host", "started_utc"}
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\n[ \"$4\" = 1 ] && echo 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04'\n")
     fake.chmod(0o700)
-    assert "gpu" not in suite.gpu_machine("0")  # the GPU asked for, not another: nvidia-smi printed nothing
-    machine = suite.gpu_machine("1")
+    assert "gpu" not in machine_load.gpu_machine("0")  # the GPU asked for, not another: nvidia-smi printed nothing
+    machine = machine_load.gpu_machine("1")
     assert machine["gpu"] == "NVIDIA H100 80GB HBM3" and machine["gpu_memory"] == "81559 MiB"
     assert machine["driver"] == "580.159.04" and machine["host"]
 

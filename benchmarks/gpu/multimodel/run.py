@@ -47,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "vllm"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "examples", "01_two_engines"))
 import suite as harness  # noqa: E402  (servers, the streaming client, GPU helpers)
+from machine_load import gpu_machine  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     plans = [schedule(i, count, args) for i in range(count)]
     result: dict = {
         "config": config,
-        "machine": harness.gpu_machine(gpu_index(args)),
+        "machine": gpu_machine(gpu_index(args)),
         "models": [s.name for s in shapes],
         "gpu_memory_utilization": float(util),
         "traffic": {

@@ -1,17 +1,40 @@
-"""What else the machine was doing while something was timed: the GPU's clocks (a power or thermal cap, a
-lower clock) and the host's busy and stolen cores (a neighbour on the same physical host). A slower round
-shows its cause here rather than being read as the engine's. Used by the harness around each served rate
-and by the offline engines around each timed batch; it needs nothing beyond the standard library and
-``nvidia-smi`` (without it the GPU's figures are empty).
+"""The machine a run used and what else it was doing while something was timed: where it ran (the host, the
+GPU as nvidia-smi names it, :func:`gpu_machine`), the GPU's clocks (a power or thermal cap, a lower clock)
+and the host's busy and stolen cores (a neighbour on the same physical host). A slower round shows its
+cause here rather than being read as the engine's. Used by the harness around each served rate, by the
+offline engines around each timed batch and by the multimodel runs; it needs nothing beyond the standard
+library and ``nvidia-smi`` (without it the GPU's figures are empty).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import statistics
 import subprocess
 import time
+
+
+def gpu_machine(index: str) -> dict[str, str]:
+    """Where a run ran: the host, GPU ``index`` as nvidia-smi names it (name, memory, driver) and the UTC
+    time, so that a comparison across runs can tell a machine or a GPU model apart. The GPU fields are
+    missing where nvidia-smi is."""
+    info = {"host": platform.node(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    query = "name,memory.total,driver_version"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", index],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return info
+    fields = [f.strip() for f in out.stdout.strip().split(",")]
+    if out.returncode == 0 and len(fields) == 3:
+        info.update(zip(("gpu", "gpu_memory", "driver"), fields, strict=True))
+    return info
 
 
 def host_cpu_seconds() -> dict[str, float]:

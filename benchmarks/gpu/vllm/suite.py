@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -98,27 +97,6 @@ def write(out: str, name: str, data: dict) -> None:
 
 
 # -- offline ---------------------------------------------------------------------------------------------
-
-
-def gpu_machine(index: str) -> dict[str, str]:
-    """Where a run ran: the host, GPU ``index`` as nvidia-smi names it (name, memory, driver) and the UTC
-    time, so that a comparison across runs can tell a machine or a GPU model apart. The GPU fields are
-    missing where nvidia-smi is."""
-    info = {"host": platform.node(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    query = "name,memory.total,driver_version"
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", index],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return info
-    fields = [f.strip() for f in out.stdout.strip().split(",")]
-    if out.returncode == 0 and len(fields) == 3:
-        info.update(zip(("gpu", "gpu_memory", "driver"), fields, strict=True))
-    return info
 
 
 def wait_for_empty_gpus(timeout: float = 180) -> float:
