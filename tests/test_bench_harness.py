@@ -73,6 +73,29 @@ def test_a_run_stopped_by_sigterm_stops_its_servers(tmp_path):
     assert not alive(server_pid), "the server outlived the run"
 
 
+def test_a_server_that_never_finishes_its_warm_up_is_the_sides_error_not_a_hang(tmp_path, monkeypatch):
+    """An engine that accepts requests and never runs them (what the peer project is expected to do on vLLM
+    0.26): the warm-up ends after its bound and the side records why, with the server's log. The streaming
+    client needs aiohttp, which the CPU venv lacks, so it is replaced by what it returns when its requests
+    time out."""
+
+    async def timed_out(port, name, prompts, rate, max_tokens, total_s):
+        assert total_s == suite.WARM_UP_S
+        return {"requests": len(prompts), "failed": len(prompts), "errors": ["TimeoutError: "]}
+
+    monkeypatch.setattr(suite, "open_loop", timed_out)
+    servers, result = [], {}
+    with suite.serving(servers, result, "error_peer"):
+        servers.append(SleepingServer("serve-peer", free_port(), "model", False, str(tmp_path), []))
+        with open(servers[0].logpath, "a") as log:
+            log.write("INFO engine up\n")
+        suite.warm_up(servers[0])
+        result["measured"] = True
+    assert "measured" not in result
+    assert "serve-peer: 32 of 32 warm-up requests failed or did not finish in 120 s" in result["error_peer"]
+    assert "INFO engine up" in result["error_peer"]
+
+
 def test_waiting_for_an_empty_gpu_fails_loudly_when_it_stays_held(tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\necho 70000\n")

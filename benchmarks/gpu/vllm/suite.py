@@ -573,10 +573,13 @@ def pct(values: list[float], q: int) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
 
 
-async def open_loop(port: int, name: str, prompts: list[list[int]], rate: float, max_tokens: int) -> dict:
-    """Poisson arrivals at ``rate`` requests/s (inf: all at once), every request streamed."""
+async def open_loop(
+    port: int, name: str, prompts: list[list[int]], rate: float, max_tokens: int, total_s: float = 1800
+) -> dict:
+    """Poisson arrivals at ``rate`` requests/s (inf: all at once), every request streamed; a request not
+    finished ``total_s`` after the first was sent fails."""
     rng = random.Random(7)
-    async with client_session(1800) as session:
+    async with client_session(total_s) as session:
         tasks = []
         begin = time.perf_counter()
         for prompt in prompts:
@@ -599,6 +602,21 @@ async def open_loop(port: int, name: str, prompts: list[list[int]], rate: float,
         "tpot_p50": pct(tpot, 50),
         "tpot_p99": pct(tpot, 99),
     }
+
+
+WARM_UP_S = 120  # 32 short requests finish in seconds on any engine that runs them
+
+
+def warm_up(server: Server) -> None:
+    """32 short requests at 8/s before a server is measured; RuntimeError (the side's error, and the run goes
+    on) when any fails or is still unfinished after :data:`WARM_UP_S`: an engine that accepts requests but
+    never schedules them would otherwise hold the call until its budget ends, with nothing recorded."""
+    stats = asyncio.run(open_loop(server.port, server.name, token_prompts(32, 512, 1), 8.0, 16, WARM_UP_S))
+    if stats["failed"]:
+        raise RuntimeError(
+            f"{server.name}: {stats['failed']} of {stats['requests']} warm-up requests failed or did not finish "
+            f"in {WARM_UP_S} s ({'; '.join(stats['errors'])}): {server.tail()}"
+        )
 
 
 VOCAB = 256  # the model's vocabulary size, read in main()
@@ -801,7 +819,7 @@ def phase_serve(args: argparse.Namespace) -> dict:
             with serving([server], result, f"error_{side}"):
                 result.setdefault(f"startup_s_{side}", []).append(server.wait_ready())
                 log(f"serve {side} up (round {round_ + 1} of {args.rounds})")
-                asyncio.run(open_loop(8100, server.name, token_prompts(32, 512, 1), 8.0, 16))  # warm
+                warm_up(server)
                 profiled = profiled_rates()
                 for rate, n, seed, waves in serve_rates():
                     for wave in range(waves):
@@ -845,7 +863,7 @@ def phase_serve_ab(args: argparse.Namespace) -> dict:
             servers.append(args.server(f"serve-{side}", 8100 + i, args.model, kvcached, args.out, flags, args.gpu, env))
             # one at a time: each start-up's memory check sees the servers before it settled
             result.setdefault(f"startup_s_{side}", []).append(servers[-1].wait_ready())
-            asyncio.run(open_loop(servers[-1].port, servers[-1].name, token_prompts(32, 512, 1), 8.0, 16))  # warm
+            warm_up(servers[-1])
         log(f"serve-ab: {len(servers)} servers up, {share} of the GPU each")
         profiled = profiled_rates()
         for rate, n, seed, _ in serve_rates():
