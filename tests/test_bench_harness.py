@@ -582,3 +582,61 @@ def test_sides_are_checked_before_any_engine_starts_and_the_peer_gets_its_enviro
     with pytest.raises(SystemExit):
         suite.check_sides(parser, parser.parse_args(["--sides", "vanilla,kvcached"]))
     assert "KVCACHED_BENCH_PROFILE_RATES='16,fast'" in capsys.readouterr().err
+
+
+def test_same_machine_runs_each_configuration_with_its_preset_beside_a_copy_of_the_static_run(tmp_path):
+    """benchmarks/gpu/multimodel/same_machine.sh with ``python3`` on PATH replaced by a recorder (run.py needs
+    vLLM and a GPU): what runs, in which folder, with which KVCACHED_* settings; a setting of the caller's
+    wins over the preset."""
+    script = os.path.join(os.path.dirname(HARNESS), "multimodel", "same_machine.sh")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    recorder = bin_dir / "python3"
+    recorder.write_text(
+        textwrap.dedent(
+            f"""\
+            #!{sys.executable}
+            import json, os, sys
+            args = sys.argv[2:]
+            out = args[args.index("--out") + 1]
+            env = {{k: v for k, v in os.environ.items() if k.startswith("KVCACHED_")}}
+            call = {{"command": args[0], "out": os.path.basename(out), "args": args, "env": env}}
+            with open({str(tmp_path / "calls.jsonl")!r}, "a") as f:
+                f.write(json.dumps(call) + "\\n")
+            if args[0] == "static":
+                open(os.path.join(out, "static_x2.json"), "w").write("{{}}")
+            """
+        )
+    )
+    recorder.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", script, str(out), "static", "fair", "floor", "--", "--models", "2"], env=env, capture_output=True
+    )
+    assert run.returncode == 0, run.stderr
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert [(c["command"], c["out"]) for c in calls] == [
+        ("static", "static"),
+        ("elastic", "fair"),
+        ("compare", "fair"),
+        ("elastic", "floor"),
+        ("compare", "floor"),
+    ]
+    assert all(c["args"][-2:] == ["--models", "2"] for c in calls)
+    fair, floor = calls[1]["env"], calls[3]["env"]
+    assert fair["KVCACHED_FAIR_SHARE_WAIT_MS"] == "5000" and fair["KVCACHED_KV_LAYOUT"] == "block-outer"
+    assert "KVCACHED_FAIR_SHARE_FLOOR" not in fair and "KVCACHED_FAIR_SHARE" not in calls[0]["env"]
+    assert floor["KVCACHED_FAIR_SHARE_FLOOR"] == "0.5" and floor["KVCACHED_BLOCK_PLACEMENT"] == "request"
+    assert (out / "fair" / "static_x2.json").exists() and (out / "floor" / "static_x2.json").exists()
+
+    run = subprocess.run(["bash", script, str(out), "floor"], env={**env, "KVCACHED_FAIR_SHARE_FLOOR": "0.25"})
+    assert run.returncode == 0
+    last = json.loads((tmp_path / "calls.jsonl").read_text().splitlines()[-2])
+    assert last["command"] == "elastic" and last["env"]["KVCACHED_FAIR_SHARE_FLOOR"] == "0.25"
+
+    # no static run to compare with: nothing runs for that configuration, and it says why
+    run = subprocess.run(["bash", script, str(tmp_path / "empty"), "fair"], env=env, capture_output=True, text=True)
+    assert run.returncode == 1 and "run 'static' first" in run.stderr
+    assert not (tmp_path / "empty" / "fair").exists()
