@@ -23,7 +23,7 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 usage="usage: same_machine.sh OUT CONFIG [CONFIG ...] [-- RUN.PY OPTIONS]; CONFIG: static, elastic, fair, floor"
 case "${1:-}" in
-  -h | --help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h | --help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
   "" | -*) echo "same_machine.sh: give the output folder first; $usage" >&2; exit 2 ;;
 esac
 out="$1"
@@ -75,7 +75,7 @@ for config in "${configs[@]}"; do
     status=1
     continue
   fi
-  mkdir -p "$dir" && cp "$out"/static/static_x*.json "$dir/"
+  mkdir -p "$dir" && cp "${statics[@]}" "$dir/"
   mapfile -t settings < <(preset "$config")
   echo "== $config: ${settings[*]:-no KVCACHED_* preset}"
   env "${settings[@]}" python3 "$here/run.py" elastic --out "$dir" "$@" || status=1
