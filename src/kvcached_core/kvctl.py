@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--runtime-dir", help="segment location (default: KVCACHED_RUNTIME_DIR or its default)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("list", help="every live instance: name, pid, engine, device, pool, limit, mapped, used")
+    p = sub.add_parser("list", help="every live instance: name, pid, engine, device, pool, limit, share, mapped, used")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p = sub.add_parser("limit", help="cap an instance's memory", description="Cap an instance's memory.")
     p.add_argument("name", help="instance name, as `kvctl list` shows it")
@@ -158,7 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("name", help="instance name, as `kvctl list` shows it")
     p.add_argument("percent", help="0 < PCT <= 100, of the memory of the instance's own device")
-    sub.add_parser("gc", help="remove segments whose owner is gone", description="Remove stale segments.")
+    sub.add_parser(
+        "gc",
+        help="remove segments and page tables whose owner is gone",
+        description="Remove stale segments and page tables.",
+    )
     return parser
 
 
