@@ -325,7 +325,11 @@ PYBIND11_MODULE(_native, m) {
       py::arg("device_index"), py::arg("page_bytes"), py::arg("iterations"),
       "Per-call microseconds of bare driver calls for `iterations` pages (benchmarks' floor).");
 #else
-  m.def("cuda_unavailable_reason", [] { return std::string("kvcached-core was built without CUDA headers (cuda.h)"); });
+  m.def("cuda_unavailable_reason", [] {
+    return std::string(
+        "kvcached-core was built without CUDA (no cuda.h found, or KVCACHED_DISABLE_CUDA set): rebuild it where "
+        "the CUDA toolkit's headers are (CUDA_HOME)");
+  });
   m.attr("built_with_cuda") = false;
 #endif
 
